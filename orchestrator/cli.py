@@ -1,0 +1,197 @@
+"""The ``dtrun`` command line.
+
+Thin wrappers only: each command imports its implementation when it runs, so ``dtrun --help``
+and the dry run never import torch, sky or boto3. Errors become one line and an exit code here
+(see ``orchestrator.errors``), never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from orchestrator.errors import EXIT_INTERRUPTED, DtrunError
+
+app = typer.Typer(
+    name="dtrun",
+    help="Train on rented GPUs without surprises: estimate first, rent the cheapest fit, "
+    "survive preemption, never leave a node billing.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+JobArg = Annotated[Path, typer.Argument(help="The job spec (job.yaml).", show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+
+
+@app.command()
+def schema() -> None:
+    """Print the job spec's JSON schema (for editor completion)."""
+    import json
+
+    from orchestrator.spec import json_schema
+
+    typer.echo(json.dumps(json_schema(), indent=2))
+
+
+@app.command()
+def prices(
+    gpu: Annotated[Optional[str], typer.Argument(help="Only this GPU type (e.g. H100).")] = None,
+    json_out: JsonOpt = False,
+    spot: Annotated[Optional[bool], typer.Option("--spot/--on-demand", help="Only spot or only on-demand.")] = None,
+) -> None:
+    """Print the price table: provider, region, GPU, spot, $/GPU-hour and where each price came from."""
+    from orchestrator.dryrun import cmd_prices
+
+    cmd_prices(gpu, json_out, spot)
+
+
+@app.command()
+def up(
+    job: JobArg,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Estimate and plan only; rent nothing.")] = False,
+    json_out: JsonOpt = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="Run the controller in the background.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Known traps are errors (exit 2), not warnings.")] = False,
+) -> None:
+    """Estimate, confirm, then run the job to the end (or only estimate, with --dry-run)."""
+    from orchestrator.dryrun import cmd_dry_run
+
+    if dry_run:
+        raise typer.Exit(cmd_dry_run(job, json_out, strict))
+    from orchestrator.runcmd import cmd_up
+
+    raise typer.Exit(cmd_up(job, yes=yes, detach=detach, json_out=json_out, strict=strict))
+
+
+@app.command()
+def status(
+    job: Annotated[Optional[str], typer.Argument(help="Job name (default: every job).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Show a job's state, step, spend, attempts and nodes."""
+    from orchestrator.runcmd import cmd_status
+
+    raise typer.Exit(cmd_status(job, json_out))
+
+
+@app.command("ls")
+def ls_(json_out: JsonOpt = False) -> None:
+    """List jobs."""
+    from orchestrator.runcmd import cmd_ls
+
+    raise typer.Exit(cmd_ls(json_out))
+
+
+@app.command()
+def logs(
+    job: Annotated[str, typer.Argument(help="Job name.")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+) -> None:
+    """Print the job's controller events and the trainer's log."""
+    from orchestrator.runcmd import cmd_logs
+
+    raise typer.Exit(cmd_logs(job, follow))
+
+
+@app.command()
+def down(
+    job: Annotated[str, typer.Argument(help="Job name.")],
+    now: Annotated[bool, typer.Option("--now", help="Skip the final checkpoint; terminate at once.")] = False,
+) -> None:
+    """Stop a job: STOP → final checkpoint → terminate every node (confirmed)."""
+    from orchestrator.runcmd import cmd_down
+
+    raise typer.Exit(cmd_down(job, now))
+
+
+@app.command()
+def export(
+    job: JobArg,
+    skypilot: Annotated[bool, typer.Option("--skypilot", help="Print the SkyPilot task YAML.")] = False,
+) -> None:
+    """Print the job as another tool's config (no secrets included)."""
+    from orchestrator.export import cmd_export
+
+    raise typer.Exit(cmd_export(job, skypilot=skypilot))
+
+
+@app.command()
+def gc(
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Terminate without asking.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Find provider instances with dtrun's name prefix that no live job owns, and terminate them."""
+    from orchestrator.money import cmd_gc
+
+    raise typer.Exit(cmd_gc(yes=yes, json_out=json_out))
+
+
+@app.command()
+def cost(
+    job: Annotated[Optional[str], typer.Argument(help="Job name (default: every job).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Spend per job and per attempt, beside the estimate."""
+    from orchestrator.money import cmd_cost
+
+    raise typer.Exit(cmd_cost(job, json_out))
+
+
+@app.command()
+def simulate(
+    job: JobArg,
+    preemptions_per_hour: Annotated[Optional[float], typer.Option(help="Spot preemption rate to simulate.")] = None,
+    runs: Annotated[int, typer.Option(help="Simulated runs.")] = 200,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run the real controller against the fake cloud on a virtual clock, N times: the distribution
+    of wall time, cost, attempts, work lost and goodput, before renting anything."""
+    from orchestrator.money import cmd_simulate
+
+    raise typer.Exit(cmd_simulate(job, preemptions_per_hour, runs, seed, json_out))
+
+
+@app.command()
+def profile(
+    job: JobArg,
+    steps: Annotated[int, typer.Option(help="Steps to profile.")] = 10,
+    json_out: JsonOpt = False,
+) -> None:
+    """A short run under torch.profiler: where the time goes, tokens/s, MFU and a verdict."""
+    from orchestrator.profile import cmd_profile
+
+    raise typer.Exit(cmd_profile(job, steps, json_out))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import click
+
+    try:
+        rv = app(args=argv, standalone_mode=False)
+        return rv if isinstance(rv, int) else 0
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except click.exceptions.Abort:
+        typer.echo("aborted", err=True)
+        return EXIT_INTERRUPTED
+    except DtrunError as e:
+        typer.echo(f"dtrun: {e}", err=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""The run URI: the only thing controller and trainer share (see shared DESIGN.md).
+
+Layout under ``<run-uri>/``::
+
+    checkpoints/step-<N>/            a DCP checkpoint; counts only once COMMITTED exists
+    checkpoints/step-<N>/COMMITTED   JSON: step, tokens, loss, world_size, parallel, time
+    progress.json                    trainer heartbeat: step, steps, loss, tokens_per_s, mfu,
+                                     last_committed_step, time, attempt
+    metrics.jsonl                    one JSON row per logged step
+    lease.json                       controller lease: {"expires": unix time, "controller": host/pid}
+    STOP                             controller asks for a graceful stop (checkpoint, exit 0)
+    DONE                             trainer finished: final metrics (JSON)
+    trainer.log                      (local provider) the node's stdout/stderr
+
+Paths with ``://`` go through a lazily imported fsspec (s3fs for s3://, endpoint from
+``AWS_ENDPOINT_URL``, credentials from the standard AWS chain); plain paths stay on ``os``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+PROGRESS = "progress.json"
+METRICS = "metrics.jsonl"
+LEASE = "lease.json"
+STOP = "STOP"
+DONE = "DONE"
+CHECKPOINTS = "checkpoints"
+COMMITTED = "COMMITTED"
+
+# Trainer exit codes (the node bootstrap passes them through).
+EXIT_DONE = 0          # finished (DONE written) or STOP honoured
+EXIT_PREEMPTED = 75    # SIGTERM (spot notice) → emergency checkpoint saved → "resume me" (EX_TEMPFAIL)
+EXIT_BAD_CONFIG = 2    # invalid config / parallel degrees / run URI unusable: do not retry
+
+_STEP_RE = re.compile(r"step-(\d+)$")
+
+
+def join(uri: str, *parts: str) -> str:
+    out = uri.rstrip("/")
+    for p in parts:
+        out += "/" + p.strip("/")
+    return out
+
+
+def _fs(uri: str):
+    """(filesystem, path) for a URI; plain paths and file:// on the local filesystem."""
+    import fsspec
+
+    if uri.startswith("s3://"):
+        opts: dict[str, Any] = {}
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            opts["client_kwargs"] = {"endpoint_url": endpoint}
+        fs = fsspec.filesystem("s3", **opts)
+        return fs, uri[len("s3://"):]
+    fs, path = fsspec.core.url_to_fs(uri)
+    return fs, path
+
+
+def local_path(uri: str) -> str | None:
+    """The local filesystem path of a file:// URI or plain path, else None."""
+    if uri.startswith("file://"):
+        return uri[len("file://"):]
+    if "://" not in uri:
+        return uri
+    return None
+
+
+def exists(uri: str) -> bool:
+    lp = local_path(uri)
+    if lp is not None:
+        return os.path.exists(lp)
+    fs, path = _fs(uri)
+    return fs.exists(path)
+
+
+def read_text(uri: str) -> str | None:
+    """The file's text, or None if it does not exist."""
+    lp = local_path(uri)
+    try:
+        if lp is not None:
+            return Path(lp).read_text()
+        fs, path = _fs(uri)
+        with fs.open(path, "r") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def read_json(uri: str) -> Any | None:
+    text = read_text(uri)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def write_text(uri: str, text: str) -> None:
+    """Write atomically on local disk (tmp + rename); S3 puts are atomic already."""
+    lp = local_path(uri)
+    if lp is not None:
+        d = os.path.dirname(lp) or "."
+        os.makedirs(d, exist_ok=True)
+        tmp = f"{lp}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, lp)
+        return
+    fs, path = _fs(uri)
+    with fs.open(path, "w") as f:
+        f.write(text)
+
+
+def write_json(uri: str, obj: Any) -> None:
+    write_text(uri, json.dumps(obj, indent=None, sort_keys=True))
+
+
+def append_line(uri: str, line: str) -> None:
+    lp = local_path(uri)
+    if lp is not None:
+        os.makedirs(os.path.dirname(lp) or ".", exist_ok=True)
+        with open(lp, "a") as f:
+            f.write(line.rstrip("\n") + "\n")
+        return
+    # Object stores have no append: rewrite (metrics.jsonl stays small: one row per log step).
+    old = read_text(uri) or ""
+    write_text(uri, old + line.rstrip("\n") + "\n")
+
+
+def remove(uri: str, recursive: bool = False) -> None:
+    lp = local_path(uri)
+    try:
+        if lp is not None:
+            if os.path.isdir(lp):
+                import shutil
+
+                shutil.rmtree(lp, ignore_errors=True)
+            elif os.path.exists(lp):
+                os.remove(lp)
+            return
+        fs, path = _fs(uri)
+        if fs.exists(path):
+            fs.rm(path, recursive=recursive)
+    except FileNotFoundError:
+        pass
+
+
+def list_dir(uri: str) -> list[str]:
+    """Names (not paths) directly under uri; empty if it does not exist."""
+    lp = local_path(uri)
+    if lp is not None:
+        try:
+            return sorted(os.listdir(lp))
+        except FileNotFoundError:
+            return []
+    fs, path = _fs(uri)
+    try:
+        fs.invalidate_cache(path)
+        entries = fs.ls(path, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+
+def checkpoint_steps(uri: str) -> list[int]:
+    """Every step folder under checkpoints/, committed or not, ascending."""
+    steps = []
+    for name in list_dir(join(uri, CHECKPOINTS)):
+        m = _STEP_RE.match(name)
+        if m:
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def checkpoint_uri(uri: str, step: int) -> str:
+    return join(uri, CHECKPOINTS, f"step-{step}")
+
+
+def committed(uri: str, step: int) -> dict | None:
+    """The COMMITTED record of a step, or None if the step is partial."""
+    rec = read_json(join(checkpoint_uri(uri, step), COMMITTED))
+    return rec if isinstance(rec, dict) else None
+
+
+def latest_committed(uri: str) -> tuple[int, dict] | None:
+    """(step, COMMITTED record) of the newest committed checkpoint, or None."""
+    for step in reversed(checkpoint_steps(uri)):
+        rec = committed(uri, step)
+        if rec is not None:
+            return step, rec
+    return None
+
+
+def now() -> float:
+    return time.time()

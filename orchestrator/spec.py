@@ -1,0 +1,424 @@
+"""The job spec: what a user writes in ``job.yaml``.
+
+Pydantic v2 models with ``extra="forbid"`` at every level (a typo is an error, not a silent
+default) and a docstring per field (they become the JSON schema's descriptions, which editors
+show as completion help: ``dtrun schema``). Both the orchestrator and the trainer read this
+module; it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from orchestrator.errors import SpecError
+from orchestrator.gpus import GPUS, canonical_gpu
+from orchestrator.presets import PRESETS, ModelSpec, resolve_model
+
+PROVIDERS = ("runpod", "lambda", "vast", "modal", "local", "fake")
+ProviderName = Literal["runpod", "lambda", "vast", "modal", "local", "fake"]
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class Resources(_Model):
+    """Where the job runs and on what."""
+
+    providers: list[ProviderName] = Field(default_factory=lambda: ["local"], min_length=1)
+    """Providers to rent from, in no particular order (offers are ranked by price)."""
+    gpu: str = "cpu"
+    """GPU type: H100, H200, A100-80GB, A100, L40S, L4, A10, RTX4090, T4, GH200, B200, or cpu
+    (the local provider: each rank is a CPU process)."""
+    gpus_per_node: int = Field(1, gt=0, le=16)
+    """GPUs (ranks) on each node."""
+    nodes: int = Field(1, gt=0, le=64)
+    """Nodes in the job."""
+    spot: Union[bool, Literal["prefer"]] = False
+    """Spot/interruptible capacity: true (only spot), false (only on-demand), or prefer
+    (both, ranked by price; spot counted with its expected preemption overhead)."""
+    regions: list[str] = Field(default_factory=list)
+    """Allowed regions (empty: any)."""
+    max_price_per_gpu_hour: float | None = Field(None, gt=0)
+    """Refuse offers above this price (USD per GPU-hour)."""
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v: str) -> str:
+        c = canonical_gpu(v)
+        if c is None:
+            raise ValueError(f"unknown GPU {v!r}; known: {', '.join(GPUS)}")
+        return c
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+class Parallel(_Model):
+    """Parallel degrees. dp_shard × tp = GPUs in the job; ep divides dp_shard × tp."""
+
+    dp_shard: int = Field(-1)
+    """FSDP2 sharding degree; -1 means "whatever the other degrees leave"."""
+    tp: int = Field(1, gt=0)
+    """Tensor-parallel degree (keep it within one node)."""
+    ep: int = Field(1, gt=0)
+    """Expert-parallel degree for MoE models (experts are split over ep ranks)."""
+    replicate: bool = False
+    """DDP-style replication instead of sharding over the data-parallel ranks (planner's rung 1)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (ZeRO-3-like); false keeps them (ZeRO-2-like)."""
+
+    @field_validator("dp_shard")
+    @classmethod
+    def _dp(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("must be a positive integer or -1 (the rest)")
+        return v
+
+
+class Trainer(_Model):
+    """The bundled trainer."""
+
+    model: Union[str, ModelSpec] = "tiny"
+    """A preset name (tiny, tiny-moe, gpt2-124m, gpt2-1.5b, llama3-8b, llama3-70b, moe-small)
+    or explicit sizes."""
+    parallel: Union[Parallel, Literal["auto"]] = Field(default_factory=Parallel)
+    """Parallel degrees, or auto (the memory planner picks the simplest rung that fits)."""
+    steps: int | None = Field(None, gt=0)
+    """Optimizer steps to train. Give steps or tokens."""
+    tokens: int | None = Field(None, gt=0)
+    """Token budget; steps = tokens / (batch_size × seq_len)."""
+    batch_size: int = Field(8, gt=0)
+    """Global batch in sequences per optimizer step."""
+    micro_batch_size: int | None = Field(None, gt=0)
+    """Sequences per rank per forward pass (gradient accumulation makes up the rest);
+    default: batch_size / data-parallel ranks."""
+    seq_len: int = Field(128, gt=0)
+    """Tokens per sequence."""
+    data: str = "synthetic"
+    """Training data: synthetic (seeded random tokens, for tests) or a URI/path of token shards
+    (uint16 .bin or .npy, read through fsspec; a directory or glob)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    """Parameter/compute precision on GPU (FSDP2 mixed precision, fp32 reduce). CPU always runs fp32."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """AdamW, or Muon (orthogonalized updates on 2-D weights, AdamW on the rest)."""
+    lr: float = Field(3e-4, gt=0)
+    """Peak learning rate."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final LR of the cosine decay as a fraction of lr."""
+    warmup_steps: int = Field(10, ge=0)
+    """Linear LR warmup steps."""
+    weight_decay: float = Field(0.1, ge=0)
+    """AdamW weight decay (not applied to norms, biases and embeddings)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Global-norm gradient clipping (null: off)."""
+    z_loss: float = Field(0.0, ge=0)
+    """z-loss coefficient on the logits' log-partition (PaLM); 0 disables."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: none, selective (every other block) or full."""
+    compile: bool = False
+    """torch.compile each block (GPU only; no gain on CPU)."""
+    fp8: bool = False
+    """fp8 linear layers through torchao (Hopper or newer, opt-in)."""
+    seed: int = 1234
+    """Seed for initialisation, data order and dropout."""
+    log_every: int = Field(10, gt=0)
+    """A log line (and a metrics.jsonl row) every N steps."""
+    heartbeat_seconds: float = Field(5.0, gt=0)
+    """How often progress.json is rewritten."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "Trainer":
+        if isinstance(self.model, str):
+            resolve_model(self.model)  # raises a clear ValueError for unknown presets
+        if self.steps is None and self.tokens is None:
+            raise ValueError("give trainer.steps or trainer.tokens")
+        if self.steps is not None and self.tokens is not None:
+            raise ValueError("give trainer.steps or trainer.tokens, not both")
+        if self.seq_len > self.model_spec.max_seq_len:
+            raise ValueError(
+                f"seq_len ({self.seq_len}) exceeds the model's max_seq_len ({self.model_spec.max_seq_len})"
+            )
+        return self
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return resolve_model(self.model)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def total_steps(self) -> int:
+        if self.steps is not None:
+            return self.steps
+        assert self.tokens is not None
+        return max(1, -(-self.tokens // self.tokens_per_step))
+
+    @property
+    def total_tokens(self) -> int:
+        return self.total_steps * self.tokens_per_step
+
+
+class Checkpoint(_Model):
+    """Where the run's state lives: the run URI (the contract between controller and trainer)."""
+
+    uri: str = "file://./runs/{name}"
+    """Run URI: s3://bucket/prefix, file://path or a plain path. {name} is replaced by the job name."""
+    every_steps: Union[int, Literal["auto"]] = 100
+    """Checkpoint interval in steps, or auto (Young/Daly from the checkpoint cost and the expected
+    time between preemptions)."""
+    keep: int = Field(2, ge=2)
+    """Keep the newest K COMMITTED checkpoints (K ≥ 2: the newest may still be writing)."""
+    async_mode: Literal["async", "sync"] = "async"
+    """DCP async_save (the loop stalls only for staging) or a blocking save."""
+    preflight: bool | None = None
+    """Save and restore a round trip against the run URI before the long run (default: on for spot)."""
+
+    @field_validator("every_steps")
+    @classmethod
+    def _every(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("must be a positive number of steps or auto")
+        return v
+
+
+class Budget(_Model):
+    """Money and time limits. The dry run refuses a plan over max_usd."""
+
+    max_usd: float | None = Field(None, gt=0)
+    """Most the job may spend, in USD, across all attempts (null: no cap; a warning)."""
+    hours: float | None = Field(None, gt=0)
+    """Expected run time; if absent it is derived from the token budget and the GPU's throughput."""
+    buffer: float = Field(0.20, ge=0, le=5)
+    """Safety margin on the estimate (0.20 = +20%)."""
+    max_hours: float | None = Field(None, gt=0)
+    """Hard deadline in wall hours from the first launch: the run checkpoints and stops there."""
+    mfu: float = Field(0.40, gt=0, le=1)
+    """Model FLOPs utilisation assumed for derived hours."""
+
+
+class Teardown(_Model):
+    """When nodes go away on their own."""
+
+    idle_minutes: float = Field(30, gt=0)
+    """No training progress for this long → checkpoint (if possible) and tear down."""
+    controller_lost_minutes: float | None = Field(None, gt=0)
+    """If set, nodes checkpoint and stop once the controller's lease is this stale (default: off,
+    the node finishes the run on its own)."""
+
+
+class Recovery(_Model):
+    """How hard the controller tries before giving up."""
+
+    max_attempts: int = Field(20, gt=0)
+    """Most launches across the job (preemptions, failures and capacity misses together)."""
+    max_restarts_on_errors: int = Field(2, ge=0)
+    """Trainer failures (non-zero exit that is not a preemption) restarted before the job FAILs."""
+    max_recovery_minutes: float = Field(60, gt=0)
+    """Give up if no node is running for this long in one recovery."""
+    poll_seconds: float = Field(5.0, gt=0)
+    """Controller tick: provider poll and run-URI read."""
+    heartbeat_timeout_seconds: float = Field(300, gt=0)
+    """A RUNNING node whose progress.json is older than this is treated as lost."""
+    backoff_seconds: float = Field(10, ge=0)
+    """First relaunch delay; doubles per consecutive failure, capped at 5 minutes."""
+
+
+class JobSpec(_Model):
+    """A dtrun job: ``dtrun up job.yaml``."""
+
+    name: str
+    """Job name: lowercase letters, digits and dashes (2–40 chars). Provider instances carry it."""
+    resources: Resources = Field(default_factory=Resources)
+    trainer: Trainer
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    budget: Budget = Field(default_factory=Budget)
+    teardown: Teardown = Field(default_factory=Teardown)
+    recovery: Recovery = Field(default_factory=Recovery)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError("must be 2–40 lowercase letters, digits or dashes, starting with a letter")
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> "JobSpec":
+        r, t = self.resources, self.trainer
+        if r.gpu == "cpu" and any(p not in ("local", "fake") for p in r.providers):
+            raise ValueError("resources.gpu: cpu runs only on the local or fake provider")
+        if r.gpu != "cpu" and r.providers == ["local"]:
+            raise ValueError(f"resources.gpu: the local provider runs CPU ranks only; use gpu: cpu")
+        n = r.total_gpus
+        if isinstance(t.parallel, Parallel):
+            p = t.parallel
+            if n % p.tp:
+                raise ValueError(f"trainer.parallel.tp ({p.tp}) must divide the job's GPUs "
+                                 f"({r.nodes} nodes × {r.gpus_per_node} = {n})")
+            dp = p.dp_shard if p.dp_shard != -1 else n // p.tp
+            if dp * p.tp != n:
+                raise ValueError(f"trainer.parallel: dp_shard ({p.dp_shard}) × tp ({p.tp}) = {dp * p.tp} "
+                                 f"but the job has {n} GPUs ({r.nodes} nodes × {r.gpus_per_node})")
+            if n % p.ep or dp % p.ep:
+                raise ValueError(f"trainer.parallel.ep ({p.ep}) must divide dp_shard ({dp}) "
+                                 f"(GPUs {n} = dp_shard {dp} × tp {p.tp})")
+            ms = t.model_spec
+            if p.ep > 1 and ms.moe is None:
+                raise ValueError(f"trainer.parallel.ep ({p.ep}) needs a MoE model; {t.model!r} is dense")
+            if ms.moe is not None and ms.moe.n_experts % p.ep:
+                raise ValueError(f"trainer.parallel.ep ({p.ep}) must divide n_experts ({ms.moe.n_experts})")
+            if ms.n_heads % p.tp or ms.kv_heads % p.tp:
+                raise ValueError(f"trainer.parallel.tp ({p.tp}) must divide n_heads ({ms.n_heads}) "
+                                 f"and n_kv_heads ({ms.kv_heads})")
+            if t.batch_size % dp:
+                raise ValueError(f"trainer.batch_size ({t.batch_size}) must be divisible by the "
+                                 f"data-parallel degree ({dp})")
+        if isinstance(self.checkpoint.every_steps, int) and t.steps is not None:
+            pass
+        return self
+
+    # ---- derived -----------------------------------------------------------------------
+    @property
+    def run_uri(self) -> str:
+        """The run URI with {name} filled in; a plain path becomes an absolute file:// URI."""
+        uri = self.checkpoint.uri.replace("{name}", self.name)
+        if "://" not in uri:
+            return "file://" + str(Path(uri).expanduser().resolve())
+        if uri.startswith("file://"):
+            path = uri[len("file://"):]
+            return "file://" + str(Path(path).expanduser().resolve())
+        return uri
+
+    @property
+    def parallel_degrees(self) -> Parallel:
+        """The explicit parallel degrees (``auto`` resolves to plain FSDP over every GPU here;
+        the orchestrator's planner replaces it with its pick before launch)."""
+        p = self.trainer.parallel
+        n = self.resources.total_gpus
+        if p == "auto":
+            return Parallel(dp_shard=n, tp=1, ep=1)
+        dp = p.dp_shard if p.dp_shard != -1 else n // p.tp
+        return p.model_copy(update={"dp_shard": dp})
+
+    @property
+    def uses_spot(self) -> bool:
+        return self.resources.spot is not False
+
+
+# ---- loading with messages that name the field and the YAML line ----------------------------
+
+def _yaml_line(node: Any, loc: tuple[Any, ...]) -> int | None:
+    """1-based YAML line of the node at ``loc`` (or its deepest existing parent)."""
+    import yaml
+
+    line = None
+    for key in loc:
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+        nxt = None
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == str(key):
+                    nxt = v
+                    line = k.start_mark.line + 1
+                    break
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            nxt = node.value[key]
+        if nxt is None:
+            return line
+        node = nxt
+    if node is not None:
+        line = node.start_mark.line + 1
+    return line
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    # pydantic adds union-branch tags (e.g. "ModelSpec", "literal['auto']", "function-after[...]")
+    out = []
+    for part in loc:
+        if isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("bool", "int", "str", "float")):
+            continue
+        out.append(part)
+    return tuple(out)
+
+
+def format_validation_error(err: ValidationError, source: str, root: Any = None) -> str:
+    """One message: the first error's field path and line (others counted), naming the file."""
+    errors = err.errors(include_url=False)
+    # Prefer the most specific error of a union (the deepest path).
+    errors.sort(key=lambda e: -len(_clean_loc(e["loc"])))
+    first = errors[0]
+    loc = _clean_loc(first["loc"])
+    path = ".".join(str(p) for p in loc) or "(top level)"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key (check the spelling; `dtrun schema` lists the fields)"
+    elif first["type"] == "missing":
+        msg = "required field is missing"
+    msg = msg.removeprefix("Value error, ")
+    where = source
+    if root is not None:
+        line = _yaml_line(root, loc)
+        if line:
+            where = f"{source}:{line}"
+    more = len({tuple(_clean_loc(e['loc'])) for e in errors}) - 1
+    suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more > 0 else ""
+    return f"{where}: {path}: {msg}{suffix}"
+
+
+def parse_spec(data: Any, source: str = "<job>", root: Any = None) -> JobSpec:
+    if not isinstance(data, dict):
+        kind = "empty" if data is None else f"a {type(data).__name__}, not a mapping"
+        raise SpecError(f"{source}: the job spec is {kind}; expected keys like name, resources, trainer")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(format_validation_error(e, source, root)) from None
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a job file. Every problem is a SpecError naming the file (and line)."""
+    import yaml
+
+    p = Path(path)
+    if not p.exists():
+        raise SpecError(f"{p}: no such file")
+    if p.is_dir():
+        raise SpecError(f"{p}: is a directory, expected a job YAML file")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{p}: cannot read: {e}") from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}" if mark else str(p)
+        problem = getattr(e, "problem", None) or str(e)
+        raise SpecError(f"{where}: invalid YAML: {problem}") from None
+    return parse_spec(data, str(p), root)
+
+
+def spec_to_yaml(spec: JobSpec) -> str:
+    import yaml
+
+    return yaml.safe_dump(json.loads(spec.model_dump_json(exclude_none=True)), sort_keys=False)
+
+
+def json_schema() -> dict[str, Any]:
+    return JobSpec.model_json_schema()

@@ -1,0 +1,215 @@
+"""The provider interface: a small required core, capabilities declared with reasons.
+
+Every place nodes come from (the fake cloud, this machine, RunPod/Lambda/Vast through SkyPilot,
+Modal) implements :class:`Provider`. Records crossing the boundary are typed dataclasses, never
+free-form dicts. Importing this module imports no provider SDK.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class NodeState(str, enum.Enum):
+    PENDING = "PENDING"          # requested, not running yet (provisioning, setup)
+    RUNNING = "RUNNING"          # the node bootstrap is running
+    PREEMPTED = "PREEMPTED"      # taken away (spot), or stopped cleanly asking to be resumed
+    SUCCEEDED = "SUCCEEDED"      # the node's job exited 0
+    FAILED = "FAILED"            # the node's job exited non-zero (not a preemption)
+    TERMINATED = "TERMINATED"    # gone after terminate(), or never found
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (NodeState.PREEMPTED, NodeState.SUCCEEDED, NodeState.FAILED, NodeState.TERMINATED)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One way to rent the job's nodes: a price per GPU-hour for a GPU type in a region."""
+
+    provider: str
+    region: str
+    gpu: str
+    gpus_per_node: int
+    spot: bool
+    price_per_gpu_hour: float
+    price_source: str = "snapshot"
+    """Where the price came from: 'snapshot <date>', 'skypilot catalog <file mtime>', 'live', …"""
+    price_date: str = ""
+    nodes: int = 1
+    instance_type: str | None = None
+
+    @property
+    def price_per_node_hour(self) -> float:
+        return self.price_per_gpu_hour * self.gpus_per_node
+
+    @property
+    def price_per_hour(self) -> float:
+        return self.price_per_node_hour * self.nodes
+
+    def key(self) -> str:
+        return f"{self.provider}/{self.region}/{self.gpu}x{self.gpus_per_node}{'/spot' if self.spot else ''}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["price_per_hour"] = round(self.price_per_hour, 6)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Offer":
+        keys = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in keys})
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What the job needs, from the spec's resources section."""
+
+    gpu: str
+    gpus_per_node: int
+    nodes: int = 1
+    spot: bool | str = False          # True, False or "prefer"
+    regions: tuple[str, ...] = ()
+    max_price_per_gpu_hour: float | None = None
+
+
+@dataclass(frozen=True)
+class Capability:
+    supported: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a provider can do, each with the reason a user reads when it cannot."""
+
+    spot: Capability
+    multi_node: Capability
+    max_gpus_per_node: int
+    stop: Capability = Capability(False, "dtrun never stops instances: only terminate ends billing")
+
+    def refuse(self, req: Requirements, provider: str) -> str | None:
+        """The reason this provider cannot serve ``req``, or None."""
+        if req.spot is True and not self.spot.supported:
+            return f"spot is not available on {provider}: {self.spot.reason}"
+        if req.nodes > 1 and not self.multi_node.supported:
+            return f"multi-node is not available on {provider}: {self.multi_node.reason}"
+        if req.gpus_per_node > self.max_gpus_per_node:
+            return f"{provider} offers at most {self.max_gpus_per_node} GPUs per node (asked {req.gpus_per_node})"
+        return None
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """Everything a provider needs to start one attempt's nodes."""
+
+    job: str
+    attempt: int
+    offer: Offer
+    nodes: int
+    command: list[str]
+    """The node bootstrap command (argv), run once per node."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment for the bootstrap (no secrets are logged or stored from here)."""
+    deadline: float | None = None
+    """Unix time after which the node must be gone whatever happens (provider-side timeout)."""
+    workdir: str | None = None
+    """Directory synced to the node (the project), when the provider supports it."""
+    log_path: str | None = None
+
+    @property
+    def instance_name(self) -> str:
+        """Every instance is named with the job's prefix so orphans can be swept."""
+        return instance_name(self.job, self.attempt)
+
+
+NAME_PREFIX = "dtrun-"
+
+
+def instance_name(job: str, attempt: int) -> str:
+    return f"{NAME_PREFIX}{job}-a{attempt}"
+
+
+def job_of_instance(name: str) -> str | None:
+    """The job name encoded in an instance name, or None if it is not dtrun's."""
+    if not name.startswith(NAME_PREFIX):
+        return None
+    rest = name[len(NAME_PREFIX):]
+    job, sep, att = rest.rpartition("-a")
+    return job if sep and att.split("-")[0].isdigit() else None
+
+
+@dataclass
+class Handle:
+    """A launched attempt: enough to poll and terminate it, also from another process."""
+
+    provider: str
+    name: str
+    instance_id: str
+    region: str = ""
+    launched_at: float = 0.0
+    data: dict[str, Any] = field(default_factory=dict)
+    """Provider specifics (local: pid, pgid, log path; skypilot: cluster name; modal: sandbox id)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Handle":
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class OwnedInstance:
+    name: str
+    instance_id: str
+    state: NodeState
+    region: str = ""
+    created_at: float | None = None
+
+
+class Provider(ABC):
+    """A place nodes come from. Implementations must keep these contracts:
+
+    - ``terminate`` is idempotent: an instance already gone is not an error. When the request was
+      sent but the instance is not confirmed gone, raise ``TerminateNotConfirmed`` so the caller
+      polls again; never report an instance gone before the provider says so.
+    - ``poll`` reports a vanished instance as PREEMPTED unless it was terminated by us (TERMINATED).
+    - Every instance carries ``request.instance_name`` (prefix ``dtrun-<job>-``) from creation, so a
+      crash between "created" and "recorded" is caught by ``list_owned``.
+    - Errors are the hierarchy in ``providers.errors``; only ``Transient`` is retried.
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @abstractmethod
+    def offers(self, req: Requirements) -> list[Offer]:
+        """Offers that could serve ``req`` (capabilities already checked; empty if none)."""
+
+    @abstractmethod
+    def launch(self, request: LaunchRequest) -> Handle: ...
+
+    @abstractmethod
+    def poll(self, handle: Handle) -> NodeState: ...
+
+    @abstractmethod
+    def terminate(self, handle: Handle) -> None: ...
+
+    @abstractmethod
+    def list_owned(self, prefix: str = NAME_PREFIX) -> list[OwnedInstance]:
+        """Live (not yet gone) instances whose name starts with ``prefix``."""
+
+    def logs(self, handle: Handle, tail: int = 200) -> str:
+        return ""
+
+    def check_credentials(self) -> None:
+        """Raise AuthError naming what to set if credentials are missing. Default: none needed."""
+
+    def refuse(self, req: Requirements) -> str | None:
+        return self.capabilities().refuse(req, self.name)
