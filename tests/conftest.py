@@ -1,0 +1,48 @@
+"""Shared fixtures: a real S3 API (moto server over HTTP on 127.0.0.1) and an isolated DTRUN_HOME."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def _moto_server():
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_server(_moto_server, monkeypatch):
+    """The moto endpoint; AWS_* env points every client (boto3, s3fs, subprocesses) at it."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", _moto_server)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    yield _moto_server
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh bucket; yields ``s3://<bucket>``."""
+    import boto3
+
+    name = f"dtrun-test-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=name)
+    yield f"s3://{name}"
+
+
+@pytest.fixture
+def dtrun_home(tmp_path, monkeypatch):
+    home = tmp_path / "dtrun-home"
+    home.mkdir()
+    monkeypatch.setenv("DTRUN_HOME", str(home))
+    yield home
