@@ -48,6 +48,8 @@ class Resources(_Model):
     """Allowed regions (empty: any)."""
     max_price_per_gpu_hour: float | None = Field(None, gt=0)
     """Refuse offers above this price (USD per GPU-hour)."""
+    preemptions_per_hour: float | None = Field(None, ge=0)
+    """Spot preemptions per hour the estimate assumes (default 0.2; `dtrun simulate` explores others)."""
 
     @field_validator("gpu")
     @classmethod

@@ -1,0 +1,224 @@
+"""``dtrun up JOB --dry-run`` and ``dtrun prices``: what fits, what it costs, whether it fits the
+budget. Rents nothing, imports neither torch nor sky nor boto3."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import (
+    EXIT_INVALID,
+    EXIT_NO_OFFER,
+    EXIT_OK,
+    EXIT_OVER_BUDGET,
+)
+from orchestrator.estimate import Plan, make_plan
+from orchestrator.spec import JobSpec, load_spec
+
+RENTABLE = ("runpod", "lambda", "vast", "modal")
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+def _money(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isinf(x):
+        return "∞"
+    return f"${x:,.2f}"
+
+
+def _hours(h: float) -> str:
+    if math.isinf(h):
+        return "∞"
+    if h < 1:
+        return f"{h * 60:.1f} min"
+    return f"{h:.2f} h"
+
+
+def plan_report(spec: JobSpec, plan: Plan) -> dict[str, Any]:
+    """The dry run's JSON object (also what `dtrun up` shows before asking)."""
+    out: dict[str, Any] = {"job": spec.name, "run_uri": spec.run_uri}
+    out.update(plan.to_dict())
+    out["steps"] = spec.trainer.total_steps
+    out["tokens"] = spec.trainer.total_tokens
+    extra = _memory_and_traps(spec, plan)
+    out.update(extra)
+    return out
+
+
+def _memory_and_traps(spec: JobSpec, plan: Plan) -> dict[str, Any]:
+    """The planner's memory plan and the known traps (issue 7), when those modules are present."""
+    out: dict[str, Any] = {}
+    try:
+        from orchestrator import planner, traps
+    except ImportError:
+        return out
+    gpu = plan.chosen.gpu if plan.chosen else spec.resources.gpu
+    mem = planner.plan(spec, gpu=gpu)
+    out["plan"] = mem.to_dict()
+    found = traps.find_traps(spec, plan.chosen, mem)
+    out["traps"] = [{"code": t.code, "message": t.message} for t in found]
+    return out
+
+
+def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, console=None) -> None:
+    """Human-readable plan: ranked offers, the choice, the breakdown, the budget verdict."""
+    from rich.table import Table
+
+    con = console or _console()
+    report = report or plan_report(spec, plan)
+    r = spec.resources
+    spot_word = {True: "spot", False: "on-demand", "prefer": "spot or on-demand"}[r.spot]
+    con.print(f"[bold]{spec.name}[/]: {spec.trainer.model if isinstance(spec.trainer.model, str) else 'custom model'}, "
+              f"{spec.trainer.total_steps:,} steps ({spec.trainer.total_tokens:,} tokens) on "
+              f"{r.nodes}×{r.gpus_per_node} {r.gpu} ({spot_word}); run URI {spec.run_uri}")
+    if plan.offers:
+        t = Table(title="Offers that fit (cheapest expected cost first)", title_justify="left")
+        for col, j in [("#", "right"), ("provider", "left"), ("region", "left"), ("gpu", "left"),
+                       ("nodes×gpus", "right"), ("spot", "left"), ("$/GPU-h", "right"),
+                       ("$/h", "right"), ("hours", "right"), ("est. $", "right"), ("price source", "left")]:
+            t.add_column(col, justify=j)  # type: ignore[arg-type]
+        for i, (o, e) in enumerate(zip(plan.offers, plan.estimates), 1):
+            style = "bold green" if i == 1 else None
+            t.add_row(str(i), o.provider, o.region, o.gpu, f"{o.nodes}×{o.gpus_per_node}",
+                      "spot" if o.spot else "on-demand", f"{o.price_per_gpu_hour:.2f}",
+                      f"{o.price_per_hour:.2f}", _hours(e.hours), _money(e.cost_usd),
+                      o.price_source, style=style)
+        con.print(t)
+    for reason in plan.refusals:
+        con.print(f"[yellow]not offered:[/] {reason}")
+    est = plan.estimate
+    if plan.chosen and est:
+        b = est.breakdown
+        con.print(f"[bold]Chosen:[/] {plan.chosen.key()} at ${plan.chosen.price_per_gpu_hour:.2f}/GPU-h "
+                  f"× {b['gpus']} GPUs = ${b['price_per_hour']:.2f}/h")
+        if b["hours_source"] == "budget.hours":
+            con.print(f"  hours          {_hours(spec.budget.hours or 0)} (budget.hours)")
+        else:
+            con.print(f"  compute        {_hours(b['compute_hours'])}  = 6 × {b['active_params'] / 1e6:,.1f}M params "
+                      f"× {b['tokens'] / 1e9:,.3g}B tokens / ({b['gpus']} × {b['peak_flops_per_gpu'] / 1e12:,.0f} TFLOP/s "
+                      f"× MFU {b['mfu']:.2f})")
+            con.print(f"  start-up       {_hours(b['startup_hours'])}  (provisioning, setup, compile)")
+            con.print(f"  checkpoints    {_hours(b['checkpoint_hours'])}  (every {b['checkpoint_every_steps']} steps)")
+        if b["preemptions_per_hour"]:
+            con.print(f"  preemptions    {_hours(b['preemption_overhead_hours'])}  "
+                      f"(~{b['expected_preemptions']:.1f} at {b['preemptions_per_hour']:g}/h: restart + half an interval each)")
+        con.print(f"  total          {_hours(est.hours)} → expected {_money(est.expected_usd)}, "
+                  f"with {est.buffer:.0%} buffer [bold]{_money(est.cost_usd)}[/]")
+    mem = report.get("plan")
+    if mem:
+        fit = "fits" if mem.get("fits") else "does NOT fit"
+        con.print(f"[bold]Memory:[/] {mem.get('strategy')} → {mem.get('memory_per_gpu_gb', 0):.1f} GB per GPU ({fit})"
+                  + (f"; {mem['suggestion']}" if mem.get("suggestion") else ""))
+    for trap in report.get("traps", []):
+        con.print(f"[yellow]warning[/] [{trap['code']}] {trap['message']}")
+    if est:
+        if spec.budget.max_usd is None:
+            con.print("[yellow]Budget:[/] no budget.max_usd set: nothing caps the spend but budget.max_hours.")
+        elif est.within_budget:
+            con.print(f"[green]Budget:[/] {_money(est.cost_usd)} ≤ {_money(spec.budget.max_usd)}: within budget.")
+        else:
+            con.print(f"[red]Budget:[/] {_money(est.cost_usd)} > {_money(spec.budget.max_usd)}: over budget; "
+                      "nothing will be rented. Raise budget.max_usd, cut trainer.tokens/steps, or allow cheaper offers.")
+
+
+def verdict_exit_code(spec: JobSpec, plan: Plan, report: dict[str, Any], strict: bool) -> int:
+    if strict and report.get("traps"):
+        return EXIT_INVALID
+    if plan.chosen is None:
+        return EXIT_NO_OFFER
+    if not plan.within_budget:
+        return EXIT_OVER_BUDGET
+    return EXIT_OK
+
+
+def cmd_dry_run(job: Path, json_out: bool, strict: bool = False) -> int:
+    spec = load_spec(job)
+    plan = make_plan(spec)
+    report = plan_report(spec, plan)
+    code = verdict_exit_code(spec, plan, report, strict)
+    if json_out:
+        report["exit_code"] = code
+        sys.stdout.write(json.dumps(report, default=_json_default) + "\n")
+        return code
+    print_plan(spec, plan, report)
+    if plan.chosen is None:
+        why = "; ".join(plan.refusals) or "no provider offers this GPU"
+        _console(stderr=True).print(f"[red]No offer fits:[/] {why}")
+    if strict and report.get("traps"):
+        _console(stderr=True).print(f"[red]--strict:[/] {len(report['traps'])} known trap(s) found")
+    return code
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and math.isinf(o):
+        return None
+    return str(o)
+
+
+def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None) -> None:
+    from orchestrator.errors import UsageError
+    from orchestrator.gpus import canonical_gpu
+    from orchestrator.pricing import UNKNOWN_SPOT, all_rows
+    from providers import registry
+
+    if gpu is not None:
+        g = canonical_gpu(gpu)
+        if g is None:
+            from orchestrator.gpus import GPUS
+
+            raise UsageError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+        gpu = g
+    caps = {}
+    for name in RENTABLE:
+        c = registry.get(name).capabilities()
+        caps[name] = {
+            "spot": {"supported": c.spot.supported, "reason": c.spot.reason},
+            "multi_node": {"supported": c.multi_node.supported, "reason": c.multi_node.reason},
+            "max_gpus_per_node": c.max_gpus_per_node,
+        }
+    rows = []
+    for r in all_rows(gpu):
+        kinds = []
+        if spot is not True:
+            kinds.append((False, r.price, r.source))
+        if spot is not False and r.spot_sold and caps[r.provider]["spot"]["supported"]:
+            if r.spot_price is not None:
+                kinds.append((True, r.spot_price, r.source))
+            else:
+                kinds.append((True, r.price, f"{r.source}; {UNKNOWN_SPOT}"))
+        for is_spot, price, source in kinds:
+            rows.append({
+                "provider": r.provider, "region": r.region, "gpu": r.gpu,
+                "gpus_per_node": r.gpus_per_node, "spot": is_spot,
+                "price_per_gpu_hour": round(price, 4), "price_source": source, "price_date": r.date,
+                "note": r.note,
+            })
+    if json_out:
+        sys.stdout.write(json.dumps({"prices": rows, "capabilities": caps}) + "\n")
+        return
+    from rich.table import Table
+
+    con = _console()
+    t = Table(title=f"Prices{' for ' + gpu if gpu else ''} (USD per GPU-hour)", title_justify="left")
+    for col in ("gpu", "provider", "region", "gpus/node", "spot", "$/GPU-h", "source"):
+        t.add_column(col)
+    for row in rows:
+        t.add_row(row["gpu"], row["provider"], row["region"], str(row["gpus_per_node"]),
+                  "spot" if row["spot"] else "on-demand", f"{row['price_per_gpu_hour']:.2f}",
+                  row["price_source"] + (f" ({row['note']})" if row["note"] else ""))
+    con.print(t)
+    for name, c in caps.items():
+        parts = []
+        for k in ("spot", "multi_node"):
+            parts.append(f"{k.replace('_', '-')}: {'yes' if c[k]['supported'] else 'no'}"
+                         + (f" ({c[k]['reason']})" if c[k]["reason"] else ""))
+        con.print(f"[bold]{name}[/]: " + "; ".join(parts) + f"; ≤{c['max_gpus_per_node']} GPUs/node")

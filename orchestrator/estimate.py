@@ -1,0 +1,258 @@
+"""The estimate and the plan: which offers fit, what each would cost, which one dtrun picks.
+
+Money arithmetic (shared DESIGN.md "Money")::
+
+    cost     = price per GPU-hour × GPUs × hours × (1 + buffer)
+    hours    = budget.hours, or compute + start-up (+ preemption overhead on spot)
+    compute  = 6 × active parameters × tokens / (GPUs × peak bf16 FLOP/s × MFU)
+    start-up = provisioning + setup (+ compile)
+    spot     = the run stretches by 1 / (1 − λ × (restart + interval / 2)) for λ preemptions per
+               hour: each preemption costs a restart (provision, set up, load the checkpoint) and,
+               on average, half a checkpoint interval of lost work.
+
+Pure Python: no torch, no sky, no boto3 (the dry run must stay well under a second).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from orchestrator.gpus import GPUS
+from orchestrator.spec import JobSpec
+from providers.base import Offer, Requirements
+
+# Start-up assumptions in minutes, per provider: (provisioning, setup). Setup on remote nodes
+# installs dtrun and torch and fetches the job; local and fake nodes start in seconds.
+STARTUP_MINUTES: dict[str, tuple[float, float]] = {
+    "runpod": (3.0, 5.0),
+    "vast": (4.0, 5.0),
+    "lambda": (5.0, 5.0),
+    "modal": (1.0, 3.0),
+    "local": (0.05, 0.1),
+    "fake": (2.0, 3.0),
+}
+COMPILE_MINUTES = 1.0
+# Preemptions per hour assumed for spot capacity when the spec does not say
+# (resources.preemptions_per_hour). No provider publishes a rate; one every five hours is a
+# middle-of-the-road figure for GPU spot markets. `dtrun simulate` shows what other rates do.
+DEFAULT_SPOT_PREEMPTIONS_PER_HOUR = 0.2
+# Object-store write bandwidth assumed for a checkpoint, bytes/s (per node).
+CHECKPOINT_BANDWIDTH = 1.0e9
+# Fraction of a sync save the training loop stalls for with DCP async_save (measured on CPU:
+# 0.2-0.3 s of 13-16 s => ~0.02).
+ASYNC_STALL_FRACTION = 0.02
+
+
+@dataclass
+class Estimate:
+    """The estimate for one offer."""
+
+    hours: float
+    """Expected paid wall hours (start-up and preemption overhead included)."""
+    expected_usd: float
+    """Expected cost before the buffer."""
+    cost_usd: float
+    """The estimate with the buffer: what the budget is checked against."""
+    buffer: float
+    budget_usd: float | None
+    within_budget: bool
+    breakdown: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Plan:
+    """Ranked offers (cheapest expected cost first), the chosen one and its estimate."""
+
+    offers: list[Offer]
+    estimates: list[Estimate]
+    chosen: Offer | None
+    estimate: Estimate | None
+    refusals: list[str]
+    step_seconds: float
+    checkpoint_every_steps: int
+
+    @property
+    def within_budget(self) -> bool:
+        return self.estimate is not None and self.estimate.within_budget
+
+    def to_dict(self) -> dict[str, Any]:
+        def offer_row(o: Offer, e: Estimate) -> dict[str, Any]:
+            d = o.to_dict()
+            d.update(hours=round(e.hours, 4), expected_usd=round(e.expected_usd, 4),
+                     cost_usd=round(e.cost_usd, 4))
+            return d
+
+        est = self.estimate
+        return {
+            "offers": [offer_row(o, e) for o, e in zip(self.offers, self.estimates)],
+            "chosen": offer_row(self.chosen, est) if self.chosen and est else None,
+            "hours": round(est.hours, 4) if est else None,
+            "expected_usd": round(est.expected_usd, 4) if est else None,
+            "cost_usd": round(est.cost_usd, 4) if est else None,
+            "buffer": est.buffer if est else None,
+            "budget_usd": est.budget_usd if est else None,
+            "within_budget": self.within_budget,
+            "breakdown": est.breakdown if est else None,
+            "refusals": self.refusals,
+            "checkpoint_every_steps": self.checkpoint_every_steps,
+        }
+
+
+def requirements(spec: JobSpec) -> Requirements:
+    r = spec.resources
+    return Requirements(
+        gpu=r.gpu, gpus_per_node=r.gpus_per_node, nodes=r.nodes, spot=r.spot,
+        regions=tuple(r.regions), max_price_per_gpu_hour=r.max_price_per_gpu_hour,
+    )
+
+
+def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
+    """Optimal checkpoint interval (Young 1974 / Daly 2006 first order): √(2 · C · MTBF)."""
+    return math.sqrt(2.0 * max(checkpoint_cost_s, 1e-6) * mtbf_s)
+
+
+def step_seconds(spec: JobSpec, gpu: str | None = None, gpus: int | None = None) -> float:
+    """Seconds per optimizer step at the assumed MFU."""
+    t = spec.trainer
+    g = GPUS[gpu or spec.resources.gpu]
+    n = gpus or spec.resources.total_gpus
+    flops = 6.0 * t.model_spec.active_params() * t.tokens_per_step
+    return flops / (n * g.peak_bf16_flops * spec.budget.mfu)
+
+
+def checkpoint_bytes(spec: JobSpec) -> float:
+    """Model + AdamW state as DCP writes it: fp32 params and two fp32 moments (12 B/param)."""
+    return 12.0 * spec.trainer.model_spec.num_params()
+
+
+def checkpoint_save_seconds(spec: JobSpec) -> float:
+    """Seconds one checkpoint costs the training loop (async: the staging stall only)."""
+    sync = checkpoint_bytes(spec) / (CHECKPOINT_BANDWIDTH * spec.resources.nodes)
+    return sync * (ASYNC_STALL_FRACTION if spec.checkpoint.async_mode == "async" else 1.0)
+
+
+def preemption_rate(spec: JobSpec, override: float | None = None) -> float:
+    if override is not None:
+        return override
+    rate = getattr(spec.resources, "preemptions_per_hour", None)
+    return DEFAULT_SPOT_PREEMPTIONS_PER_HOUR if rate is None else rate
+
+
+def checkpoint_interval_steps(spec: JobSpec, rate_per_hour: float, step_s: float) -> int:
+    """The spec's interval, or Young/Daly's for ``every_steps: auto``."""
+    every = spec.checkpoint.every_steps
+    if every != "auto":
+        return int(every)
+    if rate_per_hour <= 0:
+        return max(1, spec.trainer.total_steps // 10)
+    cost = max(checkpoint_save_seconds(spec), step_s)
+    interval = young_daly_interval_s(cost, 3600.0 / rate_per_hour)
+    return max(1, min(spec.trainer.total_steps, round(interval / step_s)))
+
+
+def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = None) -> tuple[Estimate, int]:
+    t, b = spec.trainer, spec.budget
+    gpus = offer.gpus_per_node * offer.nodes
+    step_s = step_seconds(spec, offer.gpu, gpus)
+    rate = preemption_rate(spec, rate_override) if offer.spot else 0.0
+    every = checkpoint_interval_steps(spec, rate, step_s)
+    steps = t.total_steps
+    compute_h = steps * step_s / 3600.0
+    n_ckpt = steps // every
+    ckpt_h = n_ckpt * checkpoint_save_seconds(spec) / 3600.0
+    prov_min, setup_min = STARTUP_MINUTES.get(offer.provider, (5.0, 5.0))
+    startup_h = (prov_min + setup_min + (COMPILE_MINUTES if t.compile and offer.gpu != "cpu" else 0.0)) / 60.0
+    load_h = checkpoint_bytes(spec) / (CHECKPOINT_BANDWIDTH * offer.nodes) / 3600.0
+    base_h = b.hours if b.hours is not None else compute_h + ckpt_h + startup_h
+
+    restart_h = startup_h + load_h
+    lost_per_preemption_h = restart_h + every * step_s / 3600.0 / 2.0
+    preempt_h = 0.0
+    expected_preemptions = 0.0
+    if rate > 0:
+        frac = rate * lost_per_preemption_h
+        if frac >= 0.95:
+            # Preemptions come faster than the run can make progress between them.
+            hours = math.inf
+        else:
+            hours = base_h / (1.0 - frac)
+            preempt_h = hours - base_h
+            expected_preemptions = rate * hours
+    else:
+        hours = base_h
+
+    price_h = offer.price_per_gpu_hour * gpus
+    expected = price_h * hours
+    cost = expected * (1.0 + b.buffer)
+    within = b.max_usd is None or cost <= b.max_usd
+    breakdown = {
+        "gpus": gpus,
+        "price_per_gpu_hour": offer.price_per_gpu_hour,
+        "price_per_hour": round(price_h, 4),
+        "hours_source": "budget.hours" if b.hours is not None else "token budget",
+        "params": t.model_spec.num_params(),
+        "active_params": t.model_spec.active_params(),
+        "tokens": t.total_tokens,
+        "steps": steps,
+        "peak_flops_per_gpu": GPUS[offer.gpu].peak_bf16_flops,
+        "mfu": b.mfu,
+        "step_seconds": step_s,
+        "compute_hours": compute_h,
+        "startup_hours": startup_h,
+        "checkpoint_hours": ckpt_h,
+        "checkpoint_every_steps": every,
+        "preemptions_per_hour": rate,
+        "expected_preemptions": expected_preemptions,
+        "preemption_overhead_hours": preempt_h,
+    }
+    return Estimate(hours=hours, expected_usd=expected, cost_usd=cost, buffer=b.buffer,
+                    budget_usd=b.max_usd, within_budget=within, breakdown=breakdown), every
+
+
+def gather_offers(spec: JobSpec) -> tuple[list[Offer], list[str]]:
+    """Offers from every provider named in the spec, and why others were refused."""
+    from providers import registry
+
+    req = requirements(spec)
+    offers: list[Offer] = []
+    refusals: list[str] = []
+    for name in spec.resources.providers:
+        provider = registry.get(name)
+        reason = provider.refuse(req)
+        if reason:
+            refusals.append(reason)
+            continue
+        found = provider.offers(req)
+        if not found:
+            spot = {True: "spot ", False: "on-demand ", "prefer": ""}[req.spot]
+            refusals.append(f"{name} has no {spot}{req.gpu}×{req.gpus_per_node} offer"
+                            + (f" in {', '.join(req.regions)}" if req.regions else "")
+                            + (f" under ${req.max_price_per_gpu_hour}/GPU-h" if req.max_price_per_gpu_hour else ""))
+        offers.extend(found)
+    return offers, refusals
+
+
+def make_plan(spec: JobSpec, preemptions_per_hour: float | None = None,
+              offers: list[Offer] | None = None) -> Plan:
+    """Rank every fitting offer by expected cost (cheapest first) and pick the first."""
+    refusals: list[str] = []
+    if offers is None:
+        offers, refusals = gather_offers(spec)
+    scored = []
+    for o in offers:
+        est, every = estimate_offer(spec, o, preemptions_per_hour)
+        scored.append((est.expected_usd, o.price_per_gpu_hour, o.key(), o, est, every))
+    scored.sort(key=lambda s: s[:3])
+    ranked = [s[3] for s in scored]
+    ests = [s[4] for s in scored]
+    chosen = ranked[0] if ranked else None
+    est = ests[0] if ests else None
+    every = scored[0][5] if scored else (spec.checkpoint.every_steps if spec.checkpoint.every_steps != "auto" else 0)
+    step_s = est.breakdown["step_seconds"] if est else step_seconds(spec)
+    return Plan(offers=ranked, estimates=ests, chosen=chosen, estimate=est, refusals=refusals,
+                step_seconds=step_s, checkpoint_every_steps=int(every))
