@@ -30,6 +30,8 @@ METRICS = "metrics.jsonl"
 LEASE = "lease.json"
 STOP = "STOP"
 DONE = "DONE"
+WATCHDOG = "watchdog.json"
+JOB_FILE = "job.yaml"
 CHECKPOINTS = "checkpoints"
 COMMITTED = "COMMITTED"
 
@@ -37,6 +39,8 @@ COMMITTED = "COMMITTED"
 EXIT_DONE = 0          # finished (DONE written) or STOP honoured
 EXIT_PREEMPTED = 75    # SIGTERM (spot notice) → emergency checkpoint saved → "resume me" (EX_TEMPFAIL)
 EXIT_BAD_CONFIG = 2    # invalid config / parallel degrees / run URI unusable: do not retry
+EXIT_WATCHDOG = 76     # the node bootstrap's watchdog stopped the run (budget, deadline, lost
+                       # controller, idle); the reason is in <run-uri>/watchdog.json
 
 _STEP_RE = re.compile(r"step-(\d+)$")
 
