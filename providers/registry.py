@@ -10,7 +10,7 @@ from providers.base import Provider
 
 # name -> (module, class, fixed kwargs)
 _PROVIDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "fake": ("providers.fake", "FakeProvider", {}),
+    "fake": ("providers.fake", "shared_cloud", {}),  # file-backed: CLI processes share it
     "local": ("providers.local", "LocalProvider", {}),
     "runpod": ("providers.skypilot", "SkyPilotProvider", {"cloud": "runpod"}),
     "lambda": ("providers.skypilot", "SkyPilotProvider", {"cloud": "lambda"}),
