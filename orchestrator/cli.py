@@ -191,6 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         return EXIT_INTERRUPTED
+    except Exception as e:  # an unexpected bug: one line by default, the traceback on request
+        import os
+        import traceback
+
+        if os.environ.get("DTRUN_DEBUG"):
+            traceback.print_exc()
+        typer.echo(f"dtrun: internal error: {type(e).__name__}: {e} (set DTRUN_DEBUG=1 for the traceback)", err=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -372,6 +372,10 @@ def format_validation_error(err: ValidationError, source: str, root: Any = None)
     elif first["type"] == "missing":
         msg = "required field is missing"
     msg = msg.removeprefix("Value error, ")
+    bad = first.get("input")
+    if first["type"] not in ("extra_forbidden", "missing") and isinstance(bad, (str, int, float, bool)) \
+            and repr(bad) not in msg and str(bad) not in msg:
+        msg = f"{msg} (got {bad!r})"
     where = source
     if root is not None:
         line = _yaml_line(root, loc)
