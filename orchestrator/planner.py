@@ -1,0 +1,598 @@
+"""Memory and parallelism planner: will it fit, and which parallelism is the simplest that fits.
+
+Pure Python (no torch): the dry run calls :func:`plan` on every invocation.
+
+The ladder (lowest first; the planner picks the lowest rung that fits)::
+
+    single        one GPU, nothing to distribute
+    ddp           replicate everything, all-reduce gradients
+    fsdp-zero2    FSDP2 fully_shard(reshard_after_forward=False): parameters, gradients and optimizer
+                  state sharded at rest; gathered parameters kept from forward to backward
+    fsdp-zero3    FSDP2 resharding after forward: only ~one block's parameters gathered at a time
+    fsdp-zero3+tpT   plus tensor parallel of degree T (T <= GPUs per node, divides the heads)
+    …+epE         MoE models: experts split over E ranks (expert parallel)
+
+Per-GPU bytes (what each rank holds; the trainer's FSDP2 mixed-precision policy keeps the sharded
+parameters in fp32 — they *are* the master copy — gathers them in bf16 for compute and
+reduce-scatters gradients in fp32):
+
+==============  ================================  =====================================
+                bf16 / fp16 on GPU                fp32 (and every CPU run)
+==============  ================================  =====================================
+params          4 B × local shard (fp32 master)   4 B × local shard
+grads           4 B × local shard (fp32 reduce)   4 B × local shard
+optimizer       AdamW: 8 B (two fp32 moments);    same
+                Muon: 4 B momentum on the 2-D block weights, AdamW's 8 B on the rest
+gathered        2 B × unsharded parameters in flight (ZeRO-3: the root unit + one block;
+                ZeRO-2 / DDP under autocast: the whole model) + unsharded gradients of one block
+activations     Korthikanti et al. 2022 (below)
+overhead        10 % headroom on the sum above + 2 GB fixed (CUDA context ~0.5–1 GB, NCCL
+                buffers, allocator fragmentation)
+==============  ================================  =====================================
+
+That is the classic 16 bytes per parameter of mixed-precision Adam (ZeRO paper: 2 + 2 + 12),
+partitioned the way FSDP2 actually stores it. The "local shard" is exact: FSDP2 splits dim 0 of
+each parameter into ``ceil(dim0 / dp)`` rows per rank (``torch.chunk``; the last ranks may get
+fewer or none), after tensor parallel has split the column-/row-parallel dimension. The plan's
+headline uses the padded size (FSDP2's storage is padded to equal chunks);
+:func:`state_bytes_per_rank` gives the unpadded bytes a given rank's ``DTensor.to_local()`` holds.
+
+Activations per block follow V. Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models" (2022), eq. 2–3: ``s·b·h·(34 + 5·a·s/h)`` bytes in 16-bit, and with tensor
+parallel (no sequence parallel) ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``. We keep its term structure
+and adapt the terms to this model: no dropout (no masks), grouped-query K/V, SwiGLU (four ff-wide
+tensors instead of GeLU's two), RoPE/QK-norm inputs, and a fused attention kernel (SDPA/flash:
+the ``5·a·s/h`` score terms become an fp32 log-sum-exp per head). Activation checkpointing keeps
+only each checkpointed block's input (``s·b·h``) plus one block's full activations during its
+recompute. The loss adds the logits (compute dtype) and their fp32 upcast and gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal
+
+from orchestrator.errors import DtrunError, EXIT_INVALID
+from orchestrator.gpus import GPUS, canonical_gpu
+from orchestrator.presets import ModelSpec
+from orchestrator.spec import JobSpec, Parallel
+
+GB = 1e9
+HEADROOM = 0.10
+"""Fraction added on top of the modelled bytes (allocator fragmentation, temporaries)."""
+FIXED_OVERHEAD_BYTES = int(2.0 * GB)
+"""CUDA context, cuBLAS/NCCL workspaces and buffers per GPU."""
+
+Device = Literal["gpu", "cpu"]
+
+
+class DoesNotFit(DtrunError):
+    """``trainer.parallel: auto`` and no rung fits the GPU's memory."""
+
+    exit_code = EXIT_INVALID
+
+
+# ---- parameter inventory -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter tensor as the trainer builds it.
+
+    ``tp_dim``: the dimension tensor parallel splits (None: replicated over TP ranks).
+    ``expert``: an expert weight whose dim 0 is the expert index (split by expert parallel).
+    ``unit``: the FSDP unit (``root`` or ``layers.<i>``).
+    ``matrix``: a 2-D (per expert) block weight — Muon orthogonalizes these.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    unit: str
+    expert: bool = False
+    matrix: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def param_shapes(ms: ModelSpec) -> list[ParamShape]:
+    """Every parameter of the GPT (torchtitan-like layout: separate wq/wk/wv/wo, w1/w2(/w3),
+    grouped experts ``(E, hidden, d)`` / ``(E, d, hidden)``). The total equals
+    ``ms.num_params()``."""
+    d, hd, V = ms.d_model, ms.head_dim, ms.vocab_size
+    q, kv = ms.n_heads * hd, ms.kv_heads * hd
+    out: list[ParamShape] = []
+
+    def norm(prefix: str, unit: str, dim: int = d) -> None:
+        out.append(ParamShape(f"{prefix}.weight", (dim,), None, unit))
+        if ms.norm == "layernorm" and ms.bias:
+            out.append(ParamShape(f"{prefix}.bias", (dim,), None, unit))
+
+    out.append(ParamShape("tok_embeddings.weight", (V, d), 0, "root"))
+    if ms.pos == "learned":
+        out.append(ParamShape("pos_embeddings.weight", (ms.max_seq_len, d), None, "root"))
+    for i in range(ms.n_layers):
+        u = f"layers.{i}"
+        norm(f"{u}.attention_norm", u)
+        for nm, rows in (("wq", q), ("wk", kv), ("wv", kv)):
+            out.append(ParamShape(f"{u}.attention.{nm}.weight", (rows, d), 0, u, matrix=True))
+            if ms.bias:
+                out.append(ParamShape(f"{u}.attention.{nm}.bias", (rows,), 0, u))
+        out.append(ParamShape(f"{u}.attention.wo.weight", (d, q), 1, u, matrix=True))
+        if ms.bias:
+            out.append(ParamShape(f"{u}.attention.wo.bias", (d,), None, u))
+        if ms.qk_norm:
+            out.append(ParamShape(f"{u}.attention.q_norm.weight", (hd,), None, u))
+            out.append(ParamShape(f"{u}.attention.k_norm.weight", (hd,), None, u))
+        norm(f"{u}.ffn_norm", u)
+        up = ("w1", "w3") if ms.mlp == "swiglu" else ("w1",)
+        if ms.is_moe_layer(i):
+            assert ms.moe is not None
+            E, h = ms.moe.n_experts, ms.expert_dim
+            out.append(ParamShape(f"{u}.moe.router.weight", (E, d), None, u))
+            # trainer/model.py Experts: w1/w3 (E, d, hidden), w2 (E, hidden, d), biases b1/b3 (E, hidden), b2 (E, d)
+            for nm in up:
+                out.append(ParamShape(f"{u}.moe.experts.{nm}", (E, d, h), 2, u, expert=True, matrix=True))
+            out.append(ParamShape(f"{u}.moe.experts.w2", (E, h, d), 1, u, expert=True, matrix=True))
+            if ms.bias:
+                for nm in ("b1", "b3") if ms.mlp == "swiglu" else ("b1",):
+                    out.append(ParamShape(f"{u}.moe.experts.{nm}", (E, h), 1, u, expert=True))
+                out.append(ParamShape(f"{u}.moe.experts.b2", (E, d), None, u, expert=True))
+        else:
+            h = ms.ff_dim
+            for nm in up:
+                out.append(ParamShape(f"{u}.feed_forward.{nm}.weight", (h, d), 0, u, matrix=True))
+                if ms.bias:
+                    out.append(ParamShape(f"{u}.feed_forward.{nm}.bias", (h,), 0, u))
+            out.append(ParamShape(f"{u}.feed_forward.w2.weight", (d, h), 1, u, matrix=True))
+            if ms.bias:
+                out.append(ParamShape(f"{u}.feed_forward.w2.bias", (d,), None, u))
+    norm("norm", "root")
+    if not ms.tie_embeddings:
+        out.append(ParamShape("output.weight", (V, d), 0, "root"))
+    return out
+
+
+def _chunk(n: int, parts: int, idx: int) -> int:
+    """Rows of ``torch.chunk(x, parts)[idx]`` along a dim of size n (0 for missing chunks)."""
+    if parts == 1:
+        return n
+    c = -(-n // parts)
+    return max(0, min(n, c * (idx + 1)) - c * idx)
+
+
+def _padded(n: int, parts: int) -> int:
+    return -(-n // parts)
+
+
+def _local_shape(p: ParamShape, par: Parallel, dp_rank: int, tp_rank: int, ep_rank: int,
+                 padded: bool) -> tuple[int, ...]:
+    """Shape of this rank's shard: TP first (its dim), EP on the expert dim, then FSDP on dim 0
+    over the data-parallel ranks (dp / ep of them for expert weights: the others hold other
+    experts). DDP (replicate) keeps the TP/EP-local tensor whole."""
+    dp = par.dp_shard
+    shape = list(p.shape)
+    split = _padded if padded else None
+
+    def cut(n: int, parts: int, idx: int) -> int:
+        return split(n, parts) if split else _chunk(n, parts, idx)
+
+    if par.tp > 1 and p.tp_dim is not None and not (p.expert and par.ep > 1):
+        shape[p.tp_dim] = cut(shape[p.tp_dim], par.tp, tp_rank)
+    fsdp_parts, fsdp_idx = dp, dp_rank
+    if p.expert and par.ep > 1:
+        shape[0] = cut(shape[0], par.ep, ep_rank)
+        fsdp_parts, fsdp_idx = dp // par.ep, dp_rank // par.ep
+    if not par.replicate and fsdp_parts > 1:
+        shape[0] = cut(shape[0], fsdp_parts, fsdp_idx)
+    return tuple(shape)
+
+
+def _numel(shape: Iterable[int]) -> int:
+    return math.prod(shape)
+
+
+def state_bytes_per_rank(ms: ModelSpec, par: Parallel, *, dp_rank: int = 0, tp_rank: int = 0,
+                         ep_rank: int = 0, optimizer: str = "adamw", padded: bool = False,
+                         master_bytes: int = 4, grad_bytes: int = 4,
+                         count_step_scalars: bool = False) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state one rank holds.
+
+    ``padded=False`` gives what ``DTensor.to_local()`` returns on that rank (unpadded);
+    ``padded=True`` gives FSDP2's padded storage (the same on every rank; the plan uses it).
+    ``count_step_scalars`` adds AdamW's per-parameter ``step`` tensor (a 4-byte fp32 scalar on
+    the parameter's device for CPU runs; on GPU it lives on the host unless fused/capturable).
+    ``par.dp_shard`` must be concrete (not -1).
+    """
+    if par.dp_shard < 1:
+        raise ValueError("state_bytes_per_rank needs concrete degrees (dp_shard >= 1)")
+    params = grads = opt = 0
+    n_adam = 0
+    for p in param_shapes(ms):
+        n = _numel(_local_shape(p, par, dp_rank, tp_rank, ep_rank, padded))
+        params += master_bytes * n
+        grads += grad_bytes * n
+        if optimizer == "muon" and p.matrix:
+            opt += 4 * n  # momentum buffer (fp32)
+        else:
+            opt += 8 * n  # exp_avg + exp_avg_sq (fp32)
+            n_adam += 1
+    if count_step_scalars:
+        opt += 4 * n_adam
+    return {"params": params, "grads": grads, "optimizer": opt}
+
+
+# ---- activations ------------------------------------------------------------------------------
+
+def block_activation_bytes(ms: ModelSpec, layer: int, seq: int, micro_batch: int, elem: int,
+                           tp: int = 1, ep: int = 1, fused_attention: bool = True) -> int:
+    """Bytes one block saves for backward (Korthikanti et al. 2022, eq. 2–3, adapted; see the
+    module docstring). ``elem``: bytes per activation element (2 for bf16/fp16, 4 for fp32)."""
+    s, b, h, a = seq, micro_batch, ms.d_model, ms.n_heads
+    sbh = s * b * h
+    kv = s * b * ms.kv_heads * ms.head_dim
+    # Replicated over TP ranks (Korthikanti's "10" less the two dropout masks):
+    # both norm inputs, the attention input and the MLP input.
+    replicated = 4 * sbh * elem
+    # Split over TP ranks (Korthikanti's "24/t"): what SDPA saves — Q, K and V (grouped-query K/V
+    # are repeated to every head before SDPA, so sbh each), its output — and the output
+    # projection's input (a reshaped copy of the output), then the feed-forward's wide tensors.
+    # Rotary saves only its cos/sin tables.
+    attn = 5 * sbh * elem
+    if ms.qk_norm:
+        attn += (sbh + kv) * elem
+    if fused_attention:
+        attn += 4 * b * a * s  # fp32 log-sum-exp per head and query
+    else:
+        attn += elem * a * s * s * b  # the softmax output (no dropout)
+    wide = 4 if ms.mlp == "swiglu" else 2  # swiglu: w1 out, silu out, w3 out, product; gelu: in, out
+    if ms.is_moe_layer(layer):
+        assert ms.moe is not None
+        E, k, cap = ms.moe.n_experts, ms.moe.top_k, ms.moe.capacity_factor
+        routed = int(math.ceil(s * b * k * cap))  # token copies processed by the experts
+        mlp = 4 * s * b * E  # fp32 router logits / probabilities
+        mlp += routed * h * elem * 2  # dispatched inputs and expert outputs before combine
+        mlp += routed * ms.expert_dim * elem * wide
+        # Expert parallel moves tokens, not their count: the same per-rank volume on average.
+    else:
+        mlp = s * b * ms.ff_dim * elem * wide
+    return replicated + (attn + mlp) // tp
+
+
+def activation_bytes(ms: ModelSpec, seq: int, micro_batch: int, elem: int, tp: int = 1,
+                     ep: int = 1, checkpointing: str = "none", fused_attention: bool = True) -> int:
+    """Saved activations of the whole model for one micro-batch, at the peak (start of backward)."""
+    s, b, h, L = seq, micro_batch, ms.d_model, ms.n_layers
+    per = [block_activation_bytes(ms, i, s, b, elem, tp, ep, fused_attention) for i in range(L)]
+    layer_input = s * b * h * elem
+    if checkpointing == "none":
+        ckpt: set[int] = set()
+    elif checkpointing == "full":
+        ckpt = set(range(L))
+    else:  # selective: every other block (the trainer's definition)
+        ckpt = {i for i in range(L) if i % 2 == 0}
+    total = sum(layer_input if i in ckpt else per[i] for i in range(L))
+    if ckpt:
+        total += max(per[i] for i in ckpt)  # one block recomputed in backward
+    # Final norm input + head input, then logits (compute dtype), their fp32 upcast and gradient.
+    total += 2 * s * b * h * elem
+    total += s * b * ms.vocab_size * (elem + 4 + 4) // tp
+    return total
+
+
+# ---- rungs ------------------------------------------------------------------------------------
+
+@dataclass
+class Rung:
+    """One rung of the ladder evaluated for this job."""
+
+    strategy: str
+    parallel: Parallel
+    memory_bytes: int = 0
+    breakdown: dict[str, int] = field(default_factory=dict)
+    fits: bool = False
+    note: str = ""
+    """Why the rung is not applicable (empty when it was evaluated)."""
+
+    @property
+    def memory_per_gpu_gb(self) -> float:
+        return self.memory_bytes / GB
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "parallel": self.parallel.model_dump(),
+            "memory_per_gpu_gb": round(self.memory_per_gpu_gb, 2),
+            "fits": self.fits,
+            "breakdown_gb": {k: round(v / GB, 3) for k, v in self.breakdown.items()},
+            **({"note": self.note} if self.note else {}),
+        }
+
+
+@dataclass
+class MemoryPlan:
+    """The planner's answer for one job on one GPU type and layout."""
+
+    strategy: str
+    """The chosen rung (the lowest that fits), or the heaviest evaluated one when nothing fits."""
+    memory_per_gpu_gb: float
+    fits: bool
+    parallel: Parallel
+    breakdown: dict[str, int]
+    """Bytes per GPU: params, grads, optimizer, gathered, activations, overhead."""
+    rungs: list[Rung]
+    gpu: str
+    gpu_memory_gb: float | None
+    """None for CPU ranks (host memory is not checked)."""
+    gpus_per_node: int
+    nodes: int
+    micro_batch_size: int
+    suggestion: str | None = None
+    """When nothing fits: a GPU type and/or node count that would."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "memory_per_gpu_gb": round(self.memory_per_gpu_gb, 2),
+            "fits": self.fits,
+            "gpu": self.gpu,
+            "gpu_memory_gb": self.gpu_memory_gb,
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": self.nodes,
+            "micro_batch_size": self.micro_batch_size,
+            "parallel": self.parallel.model_dump(),
+            "breakdown_gb": {k: round(v / GB, 3) for k, v in self.breakdown.items()},
+            "rungs": [r.to_dict() for r in self.rungs],
+            "suggestion": self.suggestion,
+            "headroom": HEADROOM,
+            "fixed_overhead_gb": FIXED_OVERHEAD_BYTES / GB,
+            "notes": list(self.notes),
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _candidate_rungs(spec: JobSpec, n: int, gpus_per_node: int) -> list[tuple[str, Parallel, str]]:
+    """(strategy, degrees, note) in ladder order; a non-empty note means "not applicable"."""
+    ms, t = spec.trainer.model_spec, spec.trainer
+    out: list[tuple[str, Parallel, str]] = []
+    if n == 1:
+        out.append(("single", Parallel(dp_shard=1, tp=1, ep=1), ""))
+        return out
+    bs_note = "" if t.batch_size % n == 0 else f"batch_size {t.batch_size} not divisible by {n} ranks"
+    out.append(("ddp", Parallel(dp_shard=n, replicate=True), bs_note))
+    out.append(("fsdp-zero2", Parallel(dp_shard=n, reshard_after_forward=False), bs_note))
+    out.append(("fsdp-zero3", Parallel(dp_shard=n), bs_note))
+    eps = [1]
+    if ms.moe is not None:
+        eps += [e for e in _divisors(ms.moe.n_experts) if e > 1]
+    tps = [1] + [x for x in (2, 4, 8, 16) if x <= n]
+    for tp in tps:
+        for ep in eps:
+            if tp == 1 and ep == 1:
+                continue
+            name = "fsdp-zero3" + (f"+tp{tp}" if tp > 1 else "") + (f"+ep{ep}" if ep > 1 else "")
+            note = ""
+            dp = n // tp if n % tp == 0 else 0
+            if tp > gpus_per_node:
+                note = f"tp {tp} exceeds {gpus_per_node} GPUs per node"
+            elif n % tp:
+                note = f"tp {tp} does not divide {n} GPUs"
+            elif ms.n_heads % tp or ms.kv_heads % tp:
+                note = f"tp {tp} does not divide the heads ({ms.n_heads} q, {ms.kv_heads} kv)"
+            elif ep > 1 and dp % ep:
+                note = f"ep {ep} does not divide the data-parallel degree {dp}"
+            elif t.batch_size % dp:
+                note = f"batch_size {t.batch_size} not divisible by the data-parallel degree {dp}"
+            out.append((name, Parallel(dp_shard=max(dp, 1), tp=tp, ep=ep), note))
+    # EP before TP for MoE (moving tokens is cheaper than splitting every matmul); order by tp
+    # then ep so the ladder stays "fewest/cheapest extras first".
+    return out
+
+
+def _elem_bytes(spec: JobSpec, device: Device) -> tuple[int, bool]:
+    """(activation/compute bytes per element, mixed precision?)."""
+    if device == "cpu" or spec.trainer.precision == "fp32":
+        return 4, False
+    return 2, True
+
+
+def planned_micro_batch(spec: JobSpec, par: Parallel) -> int:
+    """Sequences per rank per forward pass: the spec's ``micro_batch_size``, else the pure
+    data-parallel share ``batch_size / GPUs`` — kept when tensor parallel shrinks the
+    data-parallel degree (gradient accumulation makes up the rest), so TP lowers per-rank
+    activations instead of trading them for a bigger micro-batch. Must divide batch_size / dp."""
+    t = spec.trainer
+    if t.micro_batch_size:
+        return t.micro_batch_size
+    dp = max(1, par.dp_shard)
+    per_dp = max(1, t.batch_size // dp)
+    want = max(1, t.batch_size // (dp * par.tp))
+    return max(m for m in range(1, want + 1) if per_dp % m == 0)
+
+
+def evaluate_rung(spec: JobSpec, par: Parallel, strategy: str, device: Device,
+                  micro_batch: int | None = None) -> Rung:
+    """Per-GPU bytes of the job under the given degrees (rank 0, the largest shard)."""
+    t, ms = spec.trainer, spec.trainer.model_spec
+    elem, mixed = _elem_bytes(spec, device)
+    dp = par.dp_shard
+    mb = micro_batch or planned_micro_batch(spec, par)
+    state = state_bytes_per_rank(ms, par, optimizer=t.optimizer, padded=True)
+
+    # Parameters/gradients in flight (unsharded, compute dtype), by FSDP unit.
+    units: dict[str, int] = {}
+    for p in param_shapes(ms):
+        shard = Parallel(dp_shard=1, tp=par.tp, ep=par.ep, replicate=True)
+        units[p.unit] = units.get(p.unit, 0) + _numel(_local_shape(p, shard, 0, 0, 0, True))
+    total_local = sum(units.values())
+    blocks = [v for k, v in units.items() if k != "root"] or [0]
+    biggest = max(blocks)
+    if par.replicate or dp == 1:
+        # DDP/single: weights are whole; under autocast the bf16 casts are cached for the
+        # forward, and DDP's gradient buckets hold a second copy of the gradients.
+        gathered = (elem * total_local if mixed else 0) + (4 * total_local if dp > 1 else 0)
+    elif not par.reshard_after_forward:
+        gathered = elem * total_local + (elem + 4) * biggest
+    else:
+        gathered = elem * (units.get("root", 0) + biggest) + (elem + 4) * biggest
+    acts = activation_bytes(ms, t.seq_len, mb, elem, tp=par.tp, ep=par.ep,
+                            checkpointing=t.activation_checkpointing, fused_attention=device == "gpu")
+    modelled = state["params"] + state["grads"] + state["optimizer"] + gathered + acts
+    overhead = int(HEADROOM * modelled) + (FIXED_OVERHEAD_BYTES if device == "gpu" else 0)
+    breakdown = {
+        "params": state["params"],
+        "grads": state["grads"],
+        "optimizer": state["optimizer"],
+        "gathered": gathered,
+        "activations": acts,
+        "overhead": overhead,
+    }
+    return Rung(strategy, par, memory_bytes=modelled + overhead, breakdown=breakdown)
+
+
+def plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None = None,
+         nodes: int | None = None) -> MemoryPlan:
+    """Evaluate every rung for the job on ``gpu`` × ``gpus_per_node`` × ``nodes`` (defaults:
+    ``spec.resources``) and pick the lowest that fits with headroom. With explicit
+    ``trainer.parallel`` the plan still evaluates the ladder; ``.strategy`` is the planner's pick,
+    and the user's own degrees are evaluated by :func:`evaluate_spec_parallel`."""
+    r = spec.resources
+    g = canonical_gpu(gpu) if gpu else r.gpu
+    if g is None:
+        raise DtrunError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+    gpn = gpus_per_node or r.gpus_per_node
+    nn = nodes or r.nodes
+    n = gpn * nn
+    device: Device = "cpu" if g == "cpu" else "gpu"
+    limit = None if device == "cpu" else GPUS[g].memory_gb * GB
+
+    rungs: list[Rung] = []
+    for name, par, note in _candidate_rungs(spec, n, gpn):
+        if note:
+            rungs.append(Rung(name, par, note=note))
+            continue
+        rung = evaluate_rung(spec, par, name, device)
+        rung.fits = limit is None or rung.memory_bytes <= limit
+        rungs.append(rung)
+    evaluated = [x for x in rungs if not x.note]
+    notes: list[str] = []
+    if device == "cpu":
+        notes.append("CPU ranks: host memory is not checked; the lowest rung is chosen")
+    if not evaluated:
+        raise DtrunError(
+            f"no parallel layout is valid for {n} GPUs: " + "; ".join(f"{x.strategy}: {x.note}" for x in rungs))
+    chosen = next((x for x in evaluated if x.fits), None)
+    fits = chosen is not None
+    if chosen is None:
+        chosen = min(evaluated, key=lambda x: x.memory_bytes)
+    mb = planned_micro_batch(spec, chosen.parallel)
+    p = MemoryPlan(
+        strategy=chosen.strategy,
+        memory_per_gpu_gb=chosen.memory_per_gpu_gb,
+        fits=fits,
+        parallel=chosen.parallel,
+        breakdown=dict(chosen.breakdown),
+        rungs=rungs,
+        gpu=g,
+        gpu_memory_gb=None if limit is None else GPUS[g].memory_gb,
+        gpus_per_node=gpn,
+        nodes=nn,
+        micro_batch_size=mb,
+        notes=notes,
+    )
+    if not fits:
+        p.suggestion = _suggest(spec, g, gpn, nn)
+    return p
+
+
+def _fits_somewhere(spec: JobSpec, gpu: str, gpn: int, nodes: int) -> MemoryPlan | None:
+    try:
+        p = plan(spec, gpu=gpu, gpus_per_node=gpn, nodes=nodes)
+    except DtrunError:
+        return None
+    return p if p.fits else None
+
+
+def _suggest(spec: JobSpec, gpu: str, gpn: int, nodes: int) -> str:
+    """Which GPU (same layout) or node count (same GPU) would fit."""
+    parts: list[str] = []
+    bigger = sorted((x for x in GPUS.values() if x.name != "cpu" and x.memory_gb > GPUS[gpu].memory_gb),
+                    key=lambda x: (x.memory_gb, x.peak_bf16_flops))
+    for cand in bigger:
+        p = _fits_somewhere(spec, cand.name, gpn, nodes)
+        if p is not None:
+            parts.append(f"{cand.name} ({cand.memory_gb:g} GB) × {gpn * nodes} fits with {p.strategy} "
+                         f"at {p.memory_per_gpu_gb:.1f} GB/GPU")
+            break
+    for more in sorted({nodes * 2, nodes * 4, nodes * 8, nodes * 16} | set(range(nodes + 1, nodes + 8))):
+        if more > 64:
+            continue
+        p = _fits_somewhere(spec, gpu, gpn, more)
+        if p is not None:
+            parts.append(f"{more} nodes × {gpn} {gpu} fit with {p.strategy} at {p.memory_per_gpu_gb:.1f} GB/GPU")
+            break
+    if not parts:
+        parts.append("no GPU type or node count up to 64 fits; reduce micro_batch_size or seq_len, "
+                     "or turn on activation_checkpointing: full")
+    if spec.trainer.activation_checkpointing != "full":
+        alt = spec.model_copy(deep=True)
+        alt.trainer.activation_checkpointing = "full"
+        p = _fits_somewhere(alt, gpu, gpn, nodes)
+        if p is not None:
+            parts.append(f"or activation_checkpointing: full fits as is ({p.strategy}, "
+                         f"{p.memory_per_gpu_gb:.1f} GB/GPU)")
+    return "; ".join(parts)
+
+
+# ---- the user's own degrees -------------------------------------------------------------------
+
+def strategy_name(par: Parallel, n: int) -> str:
+    """The ladder name of explicit degrees."""
+    if n == 1:
+        return "single"
+    if par.replicate and par.tp == 1 and par.ep == 1:
+        return "ddp"
+    base = "fsdp-zero3" if par.reshard_after_forward else "fsdp-zero2"
+    if par.tp > 1:
+        base += f"+tp{par.tp}"
+    if par.ep > 1:
+        base += f"+ep{par.ep}"
+    return base
+
+
+def evaluate_spec_parallel(spec: JobSpec) -> Rung | None:
+    """The user's explicit ``trainer.parallel`` evaluated like a rung (None for ``auto``)."""
+    if spec.trainer.parallel == "auto":
+        return None
+    par = spec.parallel_degrees
+    n = spec.resources.total_gpus
+    device: Device = "cpu" if spec.resources.gpu == "cpu" else "gpu"
+    rung = evaluate_rung(spec, par, strategy_name(par, n), device)
+    limit = None if device == "cpu" else GPUS[spec.resources.gpu].memory_gb * GB
+    rung.fits = limit is None or rung.memory_bytes <= limit
+    return rung
+
+
+def resolve_parallel(spec: JobSpec) -> JobSpec:
+    """A copy of the spec with explicit degrees: ``trainer.parallel: auto`` becomes the planner's
+    pick (validated through the spec's own checks); explicit degrees are returned unchanged.
+    Raises :class:`DoesNotFit` when no rung fits (the message says what would)."""
+    if spec.trainer.parallel != "auto":
+        return spec.model_copy(deep=True)
+    p = plan(spec)
+    if not p.fits:
+        raise DoesNotFit(
+            f"trainer.parallel: auto: {spec.trainer.model_spec.num_params() / 1e9:.2f}B-parameter model "
+            f"does not fit {p.nodes}×{p.gpus_per_node} {p.gpu} (best: {p.strategy} at "
+            f"{p.memory_per_gpu_gb:.1f} GB/GPU); {p.suggestion}")
+    data = spec.model_dump(mode="json", exclude_none=True)
+    data["trainer"]["parallel"] = p.parallel.model_dump()
+    if spec.trainer.micro_batch_size is None and p.micro_batch_size != spec.trainer.batch_size // p.parallel.dp_shard:
+        data["trainer"]["micro_batch_size"] = p.micro_batch_size  # TP: keep the planned micro-batch
+    return JobSpec.model_validate(data)
