@@ -1,0 +1,353 @@
+"""The node bootstrap and its watchdog, with real processes (a torch-free fake trainer) and,
+for the exit-code path through torchrun, real torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator import runuri
+
+ROOT = Path(__file__).resolve().parents[2]
+BOOT = ROOT / "infra" / "node_bootstrap.py"
+FAKE = Path(__file__).resolve().parent / "fake_node_trainer.py"
+
+sys.path.insert(0, str(ROOT / "infra"))
+import node_bootstrap as nb  # noqa: E402
+import torchrun_launch as tl  # noqa: E402
+
+JOB_YAML = "name: nodetest\ntrainer:\n  steps: 20\n"
+
+
+def _run_uri(tmp_path: Path) -> str:
+    uri = "file://" + str(tmp_path / "run")
+    runuri.write_text(runuri.join(uri, "job.yaml"), JOB_YAML)
+    return uri
+
+
+def _env(uri: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DTRUN_", "FAKE_", "SKYPILOT_"))}
+    env.update({
+        "DTRUN_RUN_URI": uri, "DTRUN_JOB": "nodetest", "DTRUN_ATTEMPT": "3",
+        "DTRUN_WATCHDOG_SECONDS": "0.1", "DTRUN_STOP_GRACE_SECONDS": "3",
+        "DTRUN_KILL_GRACE_SECONDS": "2",
+        "DTRUN_TRAINER_CMD": f"{sys.executable} {FAKE}",
+        "PYTHONPATH": str(ROOT),
+    })
+    env.update(extra)
+    return env
+
+
+def _boot(uri: str, timeout: float = 60, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BOOT)], env=_env(uri, **extra), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _read(uri: str, name: str):
+    return runuri.read_json(runuri.join(uri, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# ---- environment → torchrun flags -----------------------------------------------------------
+
+def test_single_node_is_standalone_with_gpu_count_fallbacks():
+    cfg = nb.NodeConfig.from_env({"DTRUN_RUN_URI": "s3://b/r", "DTRUN_JOB": "j", "RUNPOD_GPU_COUNT": "4"})
+    assert cfg.nproc_per_node == 4 and cfg.nnodes == 1
+    assert nb.torchrun_flags(cfg) == ["--standalone", "--nproc-per-node", "4"]
+    argv = nb.trainer_argv(cfg, "/tmp/job.yaml")
+    assert argv[2:] == ["--standalone", "--nproc-per-node", "4", "-m", "trainer",
+                        "--job", "/tmp/job.yaml", "--run-uri", "s3://b/r"]
+    assert argv[1].endswith("torchrun_launch.py")
+    cfg = nb.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j", "GPU_COUNT": "2",
+                                  "DTRUN_NPROC_PER_NODE": "3"})
+    assert cfg.nproc_per_node == 3
+    assert nb.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j"}).nproc_per_node == 1
+
+
+def test_skypilot_multi_node_maps_to_static_rendezvous():
+    env = {"DTRUN_RUN_URI": "s3://b/r", "DTRUN_JOB": "j", "SKYPILOT_NODE_RANK": "1",
+           "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n", "SKYPILOT_NUM_GPUS_PER_NODE": "8",
+           "DTRUN_MASTER_PORT": "29600"}
+    cfg = nb.NodeConfig.from_env(env)
+    assert nb.torchrun_flags(cfg) == ["--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
+                                      "--master-addr", "10.0.0.5", "--master-port", "29600"]
+
+
+@pytest.mark.parametrize("env, msg", [
+    ({"DTRUN_JOB": "j"}, "DTRUN_RUN_URI"),
+    ({"DTRUN_RUN_URI": "u"}, "DTRUN_JOB"),
+    ({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j", "DTRUN_PRICE_PER_HOUR": "cheap"}, "DTRUN_PRICE_PER_HOUR"),
+    ({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j", "DTRUN_NNODES": "2"}, "master address"),
+])
+def test_bad_environment_is_named(env, msg):
+    with pytest.raises(nb.ConfigError, match=msg):
+        nb.NodeConfig.from_env(env)
+
+
+def test_exit_code_pick():
+    assert tl.pick_exit_code([1, 2, 75]) == 2
+    assert tl.pick_exit_code([-15, 75]) == 75
+    assert tl.pick_exit_code([-9]) == 137
+    assert tl.pick_exit_code([3, 1]) == 3
+
+
+# ---- watchdog decisions on a moved clock ------------------------------------------------------
+
+def _wd(tmp_path, **kw):
+    uri = _run_uri(tmp_path)
+    cfg = nb.NodeConfig(run_uri=uri, job="nodetest", check_seconds=10, stop_grace_seconds=60, **kw)
+    return uri, nb.Watchdog(cfg, start=1000.0)
+
+
+def test_watchdog_budget_fires_before_the_next_check_would_cross(tmp_path):
+    # $36/h = $0.01/s; budget $10 → 1000 s; look-ahead = 10 s check + 60 s grace.
+    _, wd = _wd(tmp_path, price_per_hour=36.0, budget_left_usd=10.0)
+    assert wd.check(1000 + 929) is None
+    reason, detail = wd.check(1000 + 931)
+    assert reason == "budget" and "$10" in detail
+
+
+def test_watchdog_counts_provisioning_from_launch_time(tmp_path):
+    _, wd = _wd(tmp_path, price_per_hour=36.0, budget_left_usd=10.0, launched_at=500.0)
+    assert wd.check(1000 + 431)[0] == "budget"
+
+
+def test_watchdog_deadline_two_intervals_plus_grace(tmp_path):
+    _, wd = _wd(tmp_path, deadline=2000.0)
+    assert wd.check(2000 - 81) is None
+    assert wd.check(2000 - 79)[0] == "deadline"
+
+
+def test_watchdog_lease_off_by_default_and_stale_when_set(tmp_path):
+    uri, wd = _wd(tmp_path)
+    runuri.write_json(runuri.join(uri, runuri.LEASE), {"expires": 1000.0, "renewed": 985.0, "controller": "x"})
+    assert wd.check(1_000_000) is None  # controller_lost_minutes unset: a stale lease changes nothing
+    uri, wd = _wd(tmp_path, controller_lost_minutes=2)
+    runuri.write_json(runuri.join(uri, runuri.LEASE), {"expires": 1000.0, "renewed": 985.0, "controller": "x"})
+    assert wd.check(1000 + 119) is None
+    assert wd.check(1000 + 121)[0] == "controller_lost"
+    runuri.write_json(runuri.join(uri, runuri.LEASE), {"expires": 1200.0, "renewed": 1185.0, "controller": "x"})
+    assert wd.check(1000 + 121) is None  # renewed
+
+
+def test_watchdog_idle_tracks_step_not_heartbeat(tmp_path):
+    uri, wd = _wd(tmp_path, idle_minutes=1)
+    prog = runuri.join(uri, runuri.PROGRESS)
+    runuri.write_json(prog, {"step": 5, "attempt": 1, "time": 1000})
+    assert wd.check(1030) is None
+    runuri.write_json(prog, {"step": 6, "attempt": 1, "time": 1040})
+    assert wd.check(1050) is None
+    runuri.write_json(prog, {"step": 6, "attempt": 1, "time": 1100})  # heartbeat, same step
+    assert wd.check(1100) is None
+    assert wd.check(1111)[0] == "idle"
+
+
+# ---- real processes -------------------------------------------------------------------------
+
+def test_trainer_finishes_and_exit_code_passes_through(tmp_path):
+    uri = _run_uri(tmp_path)
+    r = _boot(uri, DTRUN_PRICE_PER_HOUR="1", DTRUN_BUDGET_LEFT_USD="100", DTRUN_IDLE_MINUTES="5")
+    assert r.returncode == 0, r.stderr
+    assert _read(uri, "DONE")["step"] == 20
+    assert _read(uri, runuri.PROGRESS)["attempt"] == 3
+    assert _read(uri, "watchdog.json") is None and not runuri.exists(runuri.join(uri, "STOP"))
+    r = _boot(_run_uri(tmp_path / "b"), FAKE_MODE="exit=3")
+    assert r.returncode == 3
+
+
+def test_missing_job_yaml_is_bad_config(tmp_path):
+    r = _boot("file://" + str(tmp_path / "nothing"))
+    assert r.returncode == runuri.EXIT_BAD_CONFIG
+    assert "job.yaml" in r.stderr
+
+
+def test_budget_stop_checkpoints_and_exits_76(tmp_path):
+    uri = _run_uri(tmp_path)
+    # $3600/h = $1/s; $4.5 left, 3 s grace + 0.1 s check → STOP after ~1.4 s of a ~10 s run.
+    r = _boot(uri, FAKE_STEPS="200", DTRUN_PRICE_PER_HOUR="3600", DTRUN_BUDGET_LEFT_USD="4.5")
+    assert r.returncode == nb.EXIT_WATCHDOG, r.stderr
+    wd = _read(uri, "watchdog.json")
+    assert wd["reason"] == "budget" and wd["attempt"] == 3 and wd["spend_usd"] < 4.5
+    assert runuri.exists(runuri.join(uri, "STOP"))
+    last = runuri.latest_committed(uri)
+    assert last is not None and 0 < last[0] < 200
+    assert _read(uri, "DONE") is None
+
+
+def test_controller_lost_stops_soon_after_lease_goes_stale(tmp_path):
+    uri = _run_uri(tmp_path)
+    runuri.write_json(runuri.join(uri, runuri.LEASE),
+                      {"expires": time.time() + 0.5, "renewed": time.time(), "controller": "gone"})
+    t0 = time.time()
+    r = _boot(uri, FAKE_STEPS="400", DTRUN_CONTROLLER_LOST_MINUTES=str(1 / 60))  # 1 s
+    assert r.returncode == nb.EXIT_WATCHDOG, r.stderr
+    assert _read(uri, "watchdog.json")["reason"] == "controller_lost"
+    assert time.time() - t0 < 12
+    assert runuri.latest_committed(uri) is not None
+
+
+def test_deadline_stop(tmp_path):
+    uri = _run_uri(tmp_path)
+    r = _boot(uri, FAKE_STEPS="400", DTRUN_DEADLINE=str(time.time() + 4.5))
+    assert r.returncode == nb.EXIT_WATCHDOG, r.stderr
+    assert _read(uri, "watchdog.json")["reason"] == "deadline"
+
+
+def test_idle_trainer_that_ignores_stop_is_terminated(tmp_path):
+    uri = _run_uri(tmp_path)
+    # hang: no progress and ignores STOP → after the grace SIGTERM → emergency checkpoint, 75 → 76
+    r = _boot(uri, FAKE_MODE="hang", DTRUN_IDLE_MINUTES=str(0.5 / 60), DTRUN_STOP_GRACE_SECONDS="1")
+    assert r.returncode == nb.EXIT_WATCHDOG, r.stderr
+    assert _read(uri, "watchdog.json")["reason"] == "idle"
+    assert "SIGTERM" in r.stderr and "SIGKILL" not in r.stderr
+
+
+def test_stubborn_trainer_is_killed_with_everything_it_started(tmp_path):
+    uri = _run_uri(tmp_path)
+    r = _boot(uri, FAKE_MODE="stubborn", DTRUN_PRICE_PER_HOUR="3600", DTRUN_BUDGET_LEFT_USD="2",
+              DTRUN_STOP_GRACE_SECONDS="0.5", DTRUN_KILL_GRACE_SECONDS="0.5")
+    assert r.returncode == nb.EXIT_WATCHDOG, r.stderr
+    assert "SIGKILL" in r.stderr
+
+
+def test_grandchild_in_its_own_session_is_cleaned_up(tmp_path):
+    uri = _run_uri(tmp_path)
+    r = _boot(uri, FAKE_MODE="spawn", FAKE_STEPS="10")
+    assert r.returncode == 0, r.stderr
+    pid = int(runuri.read_text(runuri.join(uri, "grandchild.pid")))
+    deadline = time.time() + 5
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "a process the trainer started outlived the node"
+
+
+def test_sigterm_is_forwarded_and_becomes_exit_75(tmp_path):
+    uri = _run_uri(tmp_path)
+    p = subprocess.Popen([sys.executable, str(BOOT)], env=_env(uri, FAKE_STEPS="1000"),
+                         stderr=subprocess.PIPE, text=True)
+    prog = runuri.join(uri, runuri.PROGRESS)
+    deadline = time.time() + 20
+    while runuri.read_json(prog) is None and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=20)
+    assert p.returncode == runuri.EXIT_PREEMPTED, err
+    step = runuri.latest_committed(uri)[0]
+    assert 0 < step < 1000
+    assert _read(uri, "watchdog.json") is None
+
+
+def test_sigkilled_bootstrap_takes_the_trainer_with_it(tmp_path):
+    uri = _run_uri(tmp_path)
+    p = subprocess.Popen([sys.executable, str(BOOT)], env=_env(uri, FAKE_STEPS="100000", FAKE_MODE="spawn"),
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    gpid = runuri.join(uri, "grandchild.pid")
+    deadline = time.time() + 20
+    while runuri.read_text(gpid) is None and time.time() < deadline:
+        time.sleep(0.05)
+    kids = nb.descendants(p.pid)
+    assert kids
+    os.killpg(p.pid, signal.SIGKILL)  # what the local provider does to a "preempted" node
+    p.wait(timeout=10)
+    deadline = time.time() + 5
+    while any(_alive(k) for k in kids) and time.time() < deadline:
+        time.sleep(0.05)
+    # the trainer (own group, PDEATHSIG) dies with the bootstrap. Its own session-leader grandchild
+    # is out of reach once every ancestor is gone — real torchrun workers get PDEATHSIG from
+    # torchrun_launch, tested below.
+    trainer_pid = kids[0] if kids else None
+    assert trainer_pid is not None and not _alive(trainer_pid)
+    gp = int(runuri.read_text(gpid))
+    if _alive(gp):
+        os.kill(gp, signal.SIGKILL)
+
+
+def test_self_terminate_runs_after_the_trainer(tmp_path):
+    uri = _run_uri(tmp_path)
+    marker = tmp_path / "terminated"
+    r = _boot(uri, FAKE_STEPS="3", DTRUN_SELF_TERMINATE=f"echo bye > {marker}")
+    assert r.returncode == 0, r.stderr
+    assert marker.read_text().strip() == "bye"
+
+
+def test_job_yaml_from_s3(s3_bucket):
+    uri = f"{s3_bucket}/runs/nodetest"
+    runuri.write_text(runuri.join(uri, "job.yaml"), JOB_YAML)
+    r = _boot(uri, FAKE_STEPS="3", FAKE_STEP_SECONDS="0.01", DTRUN_IDLE_MINUTES="5")
+    assert r.returncode == 0, r.stderr
+    assert _read(uri, "DONE")["step"] == 3
+
+
+# ---- real torchrun (workers are the fake trainer module) -------------------------------------
+
+@pytest.mark.slow
+def test_real_torchrun_passes_75_through_and_kills_workers_with_it(tmp_path):
+    uri = _run_uri(tmp_path)
+    env = _env(uri, FAKE_STEPS="100000", FAKE_STEP_SECONDS="0.05", DTRUN_NPROC_PER_NODE="2",
+               DTRUN_TRAINER_MODULE="fake_node_trainer",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(FAKE.parent)]))
+    env.pop("DTRUN_TRAINER_CMD")
+    p = subprocess.Popen([sys.executable, str(BOOT)], env=env, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    prog = runuri.join(uri, runuri.PROGRESS)
+    deadline = time.time() + 60
+    while runuri.read_json(prog) is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert _read(uri, runuri.PROGRESS)["world_size"] == 2
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == runuri.EXIT_PREEMPTED, err
+    assert runuri.latest_committed(uri) is not None
+
+
+@pytest.mark.slow
+def test_real_torchrun_bad_config_exit_2_passes_through(tmp_path):
+    uri = _run_uri(tmp_path)
+    env = _env(uri, FAKE_MODE="exit=2", DTRUN_NPROC_PER_NODE="2", DTRUN_TRAINER_MODULE="fake_node_trainer",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(FAKE.parent)]))
+    env.pop("DTRUN_TRAINER_CMD")
+    r = subprocess.run([sys.executable, str(BOOT)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == runuri.EXIT_BAD_CONFIG, r.stderr
+
+
+@pytest.mark.slow
+def test_real_torchrun_workers_die_when_the_node_is_sigkilled(tmp_path):
+    uri = _run_uri(tmp_path)
+    env = _env(uri, FAKE_STEPS="100000", DTRUN_NPROC_PER_NODE="2", DTRUN_TRAINER_MODULE="fake_node_trainer",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(FAKE.parent)]))
+    env.pop("DTRUN_TRAINER_CMD")
+    p = subprocess.Popen([sys.executable, str(BOOT)], env=env, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    prog = runuri.join(uri, runuri.PROGRESS)
+    deadline = time.time() + 60
+    while runuri.read_json(prog) is None and time.time() < deadline:
+        time.sleep(0.1)
+    tree = nb.descendants(p.pid)
+    assert len(tree) >= 3  # launcher + 2 workers
+    os.killpg(p.pid, signal.SIGKILL)  # the bootstrap's group only: torchrun and workers are elsewhere
+    p.wait(timeout=10)
+    deadline = time.time() + 10
+    while any(_alive(k) for k in tree) and time.time() < deadline:
+        time.sleep(0.05)
+    left = [k for k in tree if _alive(k)]
+    for k in left:
+        os.kill(k, signal.SIGKILL)
+    assert not left, "torchrun or its workers outlived a SIGKILLed node"
