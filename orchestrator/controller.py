@@ -1,0 +1,756 @@
+"""The controller: one job's state machine, driven tick by tick.
+
+States::
+
+    PENDING ─► PROVISIONING ─► RUNNING ─► STOPPING ─► SUCCEEDED | FAILED | CANCELLED | OVER_BUDGET
+                   ▲   │           │          ▲
+                   │   ▼           ▼          │
+                   └─ RECOVERING ◄─┘──────────┘  (preempted / lost / crashed → new attempt)
+
+Every tick: book spend (``orchestrator.guard``), renew ``lease.json`` in the run URI, read a
+pending ``dtrun down`` request from the state store, poll the provider, read ``progress.json`` and
+``DONE``, then decide. Every transition is committed to the state store *before* the controller
+acts on it (launch, terminate), so a controller killed at any point can be restarted
+(``dtrun up`` of the same job) and re-attaches to the nodes it finds recorded there.
+
+A node is recorded terminated only when ``provider.terminate`` returns (the provider confirmed
+it gone); ``TerminateNotConfirmed`` and ``Transient`` are retried every tick until it does.
+
+``Controller(spec, store, clock=..., providers=...)``: ``.run() -> final state``, ``.tick()``.
+``providers`` maps a provider name to an instance (default: ``providers.registry.get``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from orchestrator import runuri
+from orchestrator.clock import Clock, RealClock
+from orchestrator.errors import DtrunError
+from orchestrator.guard import Guard, attempt_price_per_hour
+from orchestrator.recovery import FailoverStrategy
+from orchestrator.spec import JobSpec, spec_to_yaml
+from orchestrator.state import ACTIVE_STATES, HOST, TERMINAL_STATES, StateStore, dtrun_home
+from providers import errors as perr
+from providers.base import Handle, LaunchRequest, NodeState, Offer, Provider, Requirements
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BOOTSTRAP = REPO_ROOT / "infra" / "node_bootstrap.py"
+JOB_YAML = "job.yaml"
+WATCHDOG = "watchdog.json"
+EXIT_BAD_CONFIG = runuri.EXIT_BAD_CONFIG
+
+
+class ControllerBusy(DtrunError):
+    """Another live controller process owns this job."""
+
+
+def resolved_spec(spec: JobSpec) -> JobSpec:
+    """The spec with its run URI made absolute (a detached controller or a node may run
+    elsewhere than the directory the user typed ``dtrun up`` in)."""
+    ck = spec.checkpoint.model_copy(update={"uri": spec.run_uri})
+    return spec.model_copy(update={"checkpoint": ck})
+
+
+class Controller:
+    def __init__(self, spec: JobSpec, store: StateStore, clock: Clock | None = None,
+                 providers: dict[str, Provider] | None = None, *, plan: Any = None,
+                 spec_path: str | None = None, on_event: Callable[[str, str], None] | None = None,
+                 stop_grace_seconds: float | None = None, write_lease: bool = True) -> None:
+        self.spec = resolved_spec(spec)
+        self.store = store
+        self.clock: Clock = clock or RealClock()
+        self._providers: dict[str, Provider] = dict(providers or {})
+        self.plan = plan
+        self.spec_path = spec_path
+        self.on_event = on_event
+        self.name = spec.name
+        self.run_uri = self.spec.run_uri
+        r = self.spec.recovery
+        self.poll = r.poll_seconds
+        self.stop_grace = stop_grace_seconds if stop_grace_seconds is not None else max(60.0, 4 * self.poll)
+        self.guard = Guard(self.spec, self.poll, self.stop_grace)
+        self.write_lease = write_lease
+        self.strategy: FailoverStrategy | None = None
+        self.next_launch_at = 0.0
+        self.recovery_started: float | None = None
+        self.last_step: int | None = None
+        self.last_progress_at: float | None = None
+        self.progress: dict | None = None
+        self.started = False
+        self.pid = os.getpid()
+        self._first_attempt_progress: dict[int, bool] = {}
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def provider(self, name: str) -> Provider:
+        if name not in self._providers:
+            from providers import registry
+
+            self._providers[name] = registry.get(name)
+        return self._providers[name]
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    def job(self) -> dict:
+        j = self.store.get_job(self.name)
+        assert j is not None
+        return j
+
+    @property
+    def state(self) -> str:
+        return self.job()["state"]
+
+    def event(self, type_: str, message: str, data: dict | None = None) -> None:
+        self.store.add_event(self.name, type_, message, data, t=self.now())
+        if self.on_event:
+            self.on_event(type_, message)
+
+    def transition(self, state: str, reason: str | None = None, **cols: Any) -> None:
+        self.store.set_state(self.name, state, reason, t=self.now(), **cols)
+        if self.on_event:
+            self.on_event("state", state + (f": {reason}" if reason else ""))
+
+    def session_attempts(self) -> list[dict]:
+        first = self.job()["session_first_attempt"]
+        return [a for a in self.store.attempts(self.name) if a["n"] >= first]
+
+    def current_attempt(self) -> dict | None:
+        atts = self.store.attempts(self.name)
+        return atts[-1] if atts else None
+
+    # ---- start / re-attach -----------------------------------------------------------------------
+    def start(self) -> str:
+        """Claim the job, create or re-attach its row, sweep orphans, make the plan."""
+        if self.started:
+            return self.state
+        job = self.store.get_job(self.name)
+        if job and job["controller_pid"] not in (None, self.pid) and StateStore.controller_alive(job):
+            raise ControllerBusy(f"job {self.name} is already run by controller pid {job['controller_pid']} "
+                                 f"on {job['controller_host']}; see `dtrun status {self.name}`, "
+                                 f"or `dtrun down {self.name}`")
+        self._ensure_plan()
+        reattach = job is not None and job["state"] in ACTIVE_STATES
+        if not reattach:
+            est = self.plan.estimate.to_dict() if getattr(self.plan, "estimate", None) is not None else None
+            self.store.create_job(self.name, spec_to_yaml(self.spec), self.run_uri, spec_path=self.spec_path,
+                                  providers=list(self.spec.resources.providers), budget_usd=self.spec.budget.max_usd,
+                                  steps=self.spec.trainer.total_steps, estimate=est, t=self.now())
+        else:
+            self.store.update_job(self.name, spec_yaml=spec_to_yaml(self.spec), updated=self.now())
+        log = os.environ.get("DTRUN_CONTROLLER_LOG")
+        if not self.store.claim_controller(self.name, self.pid, HOST, log):
+            raise ControllerBusy(f"job {self.name} is already run by another controller")
+        self.started = True
+        self._sweep_orphans()
+        if reattach:
+            self._reattach()
+        else:
+            if runuri.exists(runuri.join(self.run_uri, runuri.DONE)):
+                self.event("done", f"{self.run_uri} already has DONE: nothing to train "
+                                   f"(remove the run URI to train again)")
+                self.transition("SUCCEEDED", "already finished (DONE in the run URI)")
+                return "SUCCEEDED"
+            runuri.write_text(runuri.join(self.run_uri, JOB_YAML), spec_to_yaml(self.spec))
+            self.event("start", f"controller pid {self.pid} on {HOST}; run URI {self.run_uri}")
+        if self.plan.chosen is None and self.state in ("PENDING",):
+            why = "; ".join(self.plan.refusals) or "no provider offers this GPU"
+            self.transition("FAILED", f"no offer fits: {why}")
+        return self.state
+
+    def _ensure_plan(self) -> None:
+        if self.plan is not None:
+            return
+        from orchestrator.estimate import make_plan, requirements
+
+        req: Requirements = requirements(self.spec)
+        offers: list[Offer] = []
+        refusals: list[str] = []
+        for name in self.spec.resources.providers:
+            p = self.provider(name)
+            why = p.refuse(req)
+            if why:
+                refusals.append(why)
+                continue
+            offers.extend(p.offers(req))
+        self.plan = make_plan(self.spec, offers=offers)
+        self.plan.refusals = refusals + list(self.plan.refusals)
+
+    def _make_strategy(self, prefer: dict | None = None) -> None:
+        offers = list(self.plan.offers) if self.plan is not None else []
+        if not offers:
+            return
+        idx = 0
+        if prefer:
+            want = Offer.from_dict(prefer).key()
+            idx = next((i for i, o in enumerate(offers) if o.key() == want), 0)
+        self.strategy = FailoverStrategy(offers, self.spec.recovery.backoff_seconds, idx)
+
+    def _sweep_orphans(self) -> None:
+        """The money helper's orphan sweep (instances with dtrun's prefix that no live job owns)."""
+        try:
+            from orchestrator.money import sweep_orphans
+        except ImportError:
+            return
+        try:
+            swept = sweep_orphans(self.store, list(self.spec.resources.providers), dry_run=False)
+        except (perr.ProviderError, OSError) as e:
+            self.event("warning", f"orphan sweep failed: {e}")
+            return
+        for inst in swept or []:
+            self.event("orphan", f"terminated orphan instance {inst.name} ({inst.instance_id})")
+
+    def _reattach(self) -> None:
+        att = self.current_attempt()
+        self._make_strategy(att["offer"] if att else None)
+        live = self.store.nodes(self.name, live_only=True)
+        self.event("reattach", f"controller pid {self.pid} re-attached in state {self.state} "
+                               f"({len(live)} live node(s))")
+        now = self.now()
+        self.last_progress_at = now
+        if att and att["state"] == "LAUNCHING" and not [n for n in live if n["attempt"] == att["n"]]:
+            # Killed between "launch requested" and "node recorded": the instance, if it exists,
+            # carries the attempt's name and the orphan sweep owns it.
+            self.store.update_attempt(self.name, att["n"], state="ENDED", outcome="unrecorded", ended_at=now,
+                                      reason="controller died while launching")
+            if self.state in ("PROVISIONING", "RUNNING"):
+                self.recovery_started = now
+                self.transition("RECOVERING", "re-attached after a launch that was never recorded")
+        if self.state == "RECOVERING":
+            self.recovery_started = self.recovery_started or now
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def run(self, should_pause: Callable[[], bool] | None = None,
+            on_tick: Callable[["Controller"], None] | None = None) -> str:
+        """Tick until a final state (returned). ``should_pause`` returning True makes ``run``
+        return "INTERRUPTED" at the next tick boundary with everything committed."""
+        self.start()
+        try:
+            while True:
+                state = self.tick()
+                if on_tick:
+                    on_tick(self)
+                if state in TERMINAL_STATES:
+                    return state
+                delay = self.poll
+                if state == "RECOVERING" and self.next_launch_at > self.now():
+                    delay = min(delay, max(0.0, self.next_launch_at - self.now()))
+                if state == "PENDING":
+                    delay = 0.0
+                slept = 0.0
+                while True:
+                    if should_pause and should_pause():
+                        return "INTERRUPTED"
+                    if slept >= delay:
+                        break
+                    step = min(0.2, delay - slept) if isinstance(self.clock, RealClock) else delay - slept
+                    self.clock.sleep(step)
+                    slept += step
+        finally:
+            if self.state in TERMINAL_STATES or (should_pause and should_pause()):
+                self.store.release_controller(self.name, self.pid)
+
+    def tick(self) -> str:
+        if not self.started:
+            self.start()
+        now = self.now()
+        self._book_spend(now)
+        state = self.state
+        if state in TERMINAL_STATES:
+            return state
+        self._renew_lease(now)
+        self.store.touch_controller(self.name)
+        action = self.store.pop_action(self.name)
+        if action:
+            self._cancel(action == "stop_now")
+            state = self.state
+            if state in TERMINAL_STATES:
+                return state
+        if state == "PENDING":
+            self._launch(now)
+        elif state in ("PROVISIONING", "RUNNING"):
+            self._watch(now)
+        elif state == "RECOVERING":
+            self._recover(now)
+        if self.state == "STOPPING":
+            self._stopping(self.now())
+        return self.state
+
+    # ---- money -----------------------------------------------------------------------------------
+    def _book_spend(self, now: float) -> None:
+        for row in self.store.open_spend_rows(self.name):
+            self.store.book_spend(self.name, row["attempt"], now)
+
+    def burn_per_hour(self) -> float:
+        return sum(r["price_per_hour"] for r in self.store.open_spend_rows(self.name))
+
+    def _renew_lease(self, now: float) -> None:
+        if not self.write_lease:
+            return
+        try:
+            runuri.write_json(runuri.join(self.run_uri, runuri.LEASE),
+                              {"expires": now + 3 * self.poll, "renewed": now, "controller": f"{self.pid}@{HOST}"})
+        except OSError as e:
+            self.event("warning", f"could not renew the lease in {self.run_uri}: {e}")
+
+    def _guard(self, now: float, running: bool) -> bool:
+        """Apply the billing guard; True if it started a stop."""
+        job = self.job()
+        v = self.guard.check(now=now, spent=self.store.spend_total(self.name), burn_per_hour=self.burn_per_hour(),
+                             deadline=job["deadline"], last_progress_at=self.last_progress_at, running=running)
+        if v.stop:
+            self.event("guard", v.reason)
+            self._begin_stop(v.target, v.reason, hard=v.hard)
+            return True
+        return False
+
+    # ---- launching -------------------------------------------------------------------------------
+    def _launch(self, now: float) -> None:
+        if self.plan is None or not self.plan.offers:
+            self.transition("FAILED", "no offer fits: " + ("; ".join(getattr(self.plan, "refusals", [])) or "none"))
+            return
+        if self.strategy is None:
+            self._make_strategy()
+        assert self.strategy is not None
+        job = self.job()
+        r = self.spec.recovery
+        used = len(self.session_attempts())
+        if used >= r.max_attempts:
+            self._give_up(f"gave up after {used} launches (recovery.max_attempts = {r.max_attempts})")
+            return
+        if job["deadline"] is None and self.spec.budget.max_hours:
+            self.store.update_job(self.name, deadline=now + self.spec.budget.max_hours * 3600.0, started_at=now)
+            job = self.job()
+        elif job["started_at"] is None:
+            self.store.update_job(self.name, started_at=now)
+        if self.recovery_started is None:
+            self.recovery_started = now  # provisioning is bounded by max_recovery_minutes too
+        offer = self.strategy.current
+        price = attempt_price_per_hour(self.spec, offer)
+        spent = self.store.spend_total(self.name)
+        v = self.guard.may_launch(now=now, spent=spent, price_per_hour=price, deadline=job["deadline"])
+        if v.stop:
+            self.event("guard", v.reason)
+            self._finish(v.target, v.reason)
+            return
+        n = self.store.last_attempt_number(self.name) + 1
+        log_path = str(dtrun_home() / "logs" / self.name / f"attempt-{n}.log")
+        start_step = self._latest_committed_step()
+        # Commit first, act second.
+        self.store.new_attempt(self.name, n, offer.to_dict(), offer.provider, now, start_step=start_step,
+                               log_path=log_path)
+        self.transition("PROVISIONING", f"attempt {n} on {offer.key()} (${price:.2f}/h)")
+        for stale in (runuri.STOP, WATCHDOG):
+            runuri.remove(runuri.join(self.run_uri, stale))
+        req = self._launch_request(n, offer, log_path, spent, job["deadline"])
+        try:
+            handle = self.provider(offer.provider).launch(req)
+        except (perr.NoCapacity, perr.QuotaExceeded) as e:
+            delay = self.strategy.no_capacity()
+            self._launch_failed(n, "no_capacity", f"{type(e).__name__}: {e}", delay)
+            return
+        except perr.Transient as e:
+            delay = self.strategy.transient()
+            self._launch_failed(n, "launch_error", f"transient: {e}", delay)
+            return
+        except (perr.AuthError, perr.NotSupported) as e:
+            self.store.update_attempt(self.name, n, state="ENDED", outcome="refused", reason=str(e), ended_at=self.now())
+            self._finish("FAILED", f"{offer.provider} refused: {e}")
+            return
+        t = self.now()
+        self.store.add_node(self.name, n, handle.to_dict(), t)
+        self.store.open_spend(self.name, n, price, now)  # billed from the launch request on
+        self.store.update_attempt(self.name, n, state="PENDING", launched_at=now)
+        self.strategy.launched()
+        self.last_progress_at = t
+        self.event("launch", f"attempt {n}: {handle.name} ({handle.instance_id}) on {offer.key()}",
+                   {"attempt": n, "instance_id": handle.instance_id, "provider": offer.provider,
+                    "data": {k: v for k, v in handle.data.items() if k in ("pid", "pgid", "log_path")}})
+
+    def _launch_request(self, n: int, offer: Offer, log_path: str, spent: float,
+                        deadline: float | None) -> LaunchRequest:
+        s = self.spec
+        env = {
+            "DTRUN_RUN_URI": self.run_uri,
+            "DTRUN_JOB": self.name,
+            "DTRUN_ATTEMPT": str(n),
+            "DTRUN_NPROC_PER_NODE": str(s.resources.gpus_per_node),
+            "DTRUN_NNODES": str(s.resources.nodes),
+            "DTRUN_PRICE_PER_HOUR": f"{offer.price_per_gpu_hour * offer.gpus_per_node:.6f}",
+            "DTRUN_IDLE_MINUTES": f"{s.teardown.idle_minutes:g}",
+        }
+        if s.budget.max_usd is not None:
+            env["DTRUN_BUDGET_LEFT_USD"] = f"{max(0.0, s.budget.max_usd - spent) / s.resources.nodes:.6f}"
+        if deadline is not None:
+            env["DTRUN_DEADLINE"] = f"{deadline:.3f}"
+        if s.teardown.controller_lost_minutes is not None:
+            env["DTRUN_CONTROLLER_LOST_MINUTES"] = f"{s.teardown.controller_lost_minutes:g}"
+        # AWS_* credentials for the run URI reach local nodes through the process environment
+        # only (the local provider merges env over os.environ); they are never put here.
+        return LaunchRequest(job=self.name, attempt=n, offer=offer, nodes=s.resources.nodes,
+                             command=[sys.executable, str(BOOTSTRAP)], env=env, deadline=deadline,
+                             workdir=str(REPO_ROOT), log_path=log_path)
+
+    def _launch_failed(self, n: int, outcome: str, reason: str, delay: float) -> None:
+        now = self.now()
+        self.store.update_attempt(self.name, n, state="ENDED", outcome=outcome, reason=reason, ended_at=now)
+        self.next_launch_at = now + delay
+        if self.recovery_started is None:
+            self.recovery_started = now
+        self.transition("RECOVERING", f"attempt {n}: {reason}" + (f"; retry in {delay:.0f} s" if delay else ""))
+
+    # ---- watching a live attempt ---------------------------------------------------------------
+    def _latest_committed_step(self) -> int | None:
+        try:
+            lc = runuri.latest_committed(self.run_uri)
+        except OSError:
+            return None
+        return lc[0] if lc else None
+
+    def _read_progress(self, attempt: int) -> dict | None:
+        try:
+            p = runuri.read_json(runuri.join(self.run_uri, runuri.PROGRESS))
+        except OSError as e:
+            self.event("warning", f"could not read progress.json: {e}")
+            return None
+        if not isinstance(p, dict):
+            return None
+        self.progress = p
+        return p
+
+    def _done(self) -> dict | None:
+        try:
+            d = runuri.read_text(runuri.join(self.run_uri, runuri.DONE))
+        except OSError:
+            return None
+        if d is None:
+            return None
+        try:
+            rec = json.loads(d)
+        except json.JSONDecodeError:
+            rec = {}
+        return rec if isinstance(rec, dict) else {}
+
+    def _poll_nodes(self, nodes: list[dict]) -> dict[int, NodeState] | None:
+        out: dict[int, NodeState] = {}
+        for nd in nodes:
+            try:
+                st = self.provider(nd["provider"]).poll(Handle.from_dict(nd["handle"]))
+            except perr.Transient as e:
+                self.event("warning", f"poll {nd['name']}: transient error, retrying next tick: {e}")
+                return None
+            out[nd["id"]] = st
+            if nd["state"] != st.value:
+                self.store.update_node(nd["id"], state=st.value)
+        return out
+
+    def _watch(self, now: float) -> None:
+        att = self.current_attempt()
+        nodes = [n for n in self.store.nodes(self.name, live_only=True) if att and n["attempt"] == att["n"]]
+        if att is None or not nodes:
+            self.recovery_started = self.recovery_started or now
+            self.transition("RECOVERING", "no live node for the current attempt")
+            return
+        n = att["n"]
+        states = self._poll_nodes(nodes)
+        prog = self._read_progress(n)
+        mine = prog is not None and str(prog.get("attempt", n)) == str(n)
+        if prog is not None:
+            step = prog.get("step")
+            cols: dict[str, Any] = dict(step=step, loss=prog.get("loss"), tokens_per_s=prog.get("tokens_per_s"),
+                                        last_committed_step=prog.get("last_committed_step"),
+                                        progress_time=prog.get("time"))
+            if prog.get("steps"):
+                cols["steps"] = prog.get("steps")
+            self.store.update_job(self.name, updated=now, **cols)
+            if isinstance(step, int) and step != self.last_step:
+                if self.last_step is not None or mine:
+                    self.last_progress_at = now
+                self.last_step = step
+                if mine and (att["start_step"] is None or step > (att["start_step"] or 0)):
+                    if self.strategy:
+                        self.strategy.progressed()
+                    self.recovery_started = None
+        done = self._done()
+        if done is not None:
+            self.event("done", "DONE written by the trainer: tearing down")
+            self._begin_stop("SUCCEEDED", "training finished (DONE)", write_stop=False)
+            return
+        if states is None:
+            return
+        values = list(states.values())
+        if all(s == NodeState.RUNNING for s in values):
+            if self.state == "PROVISIONING":
+                self.store.update_attempt(self.name, n, state="RUNNING", running_at=now)
+                self.last_progress_at = now
+                self.transition("RUNNING", f"attempt {n} running")
+            # heartbeat: a running node whose trainer stopped writing progress.json is lost
+            hb = self.spec.recovery.heartbeat_timeout_seconds
+            running_at = self.job_attempt_running_at(n) or now
+            last_beat = float(prog["time"]) if mine and prog and isinstance(prog.get("time"), (int, float)) else running_at
+            last_beat = max(last_beat, running_at)
+            if now - last_beat > hb:
+                self._begin_recovery("lost", f"attempt {n}: no heartbeat for {now - last_beat:.0f} s "
+                                             f"(recovery.heartbeat_timeout_seconds = {hb:g})")
+                return
+            self._guard(now, running=True)
+            return
+        ended = [s for s in values if s.is_terminal]
+        if not ended:  # PENDING (provisioning) or a mix with RUNNING
+            if self.recovery_started is not None:
+                self._check_recovery_time(now)
+                if self.state != "PROVISIONING" and self.state != "RUNNING":
+                    return
+            self._guard(now, running=False)
+            return
+        self._attempt_ended(n, att, nodes, ended)
+
+    def job_attempt_running_at(self, n: int) -> float | None:
+        a = self.store.get_attempt(self.name, n)
+        return a["running_at"] if a else None
+
+    def _attempt_ended(self, n: int, att: dict, nodes: list[dict], ended: list[NodeState]) -> None:
+        wd = self._watchdog_reason(att)
+        if NodeState.FAILED in ended:
+            code = self._exit_code(att)
+            tail = self._log_tail(nodes)
+            if code == EXIT_BAD_CONFIG:
+                self._fail_now(n, f"attempt {n}: the trainer rejected its configuration (exit 2); not retried", tail)
+                return
+            used = self.job()["restarts_used"] + 1
+            self.store.update_job(self.name, restarts_used=used)
+            limit = self.spec.recovery.max_restarts_on_errors
+            if used > limit:
+                self._fail_now(n, f"attempt {n}: the trainer failed ({used} failures, "
+                                  f"recovery.max_restarts_on_errors = {limit})", tail)
+                return
+            self.event("failed", f"attempt {n}: the trainer failed; restart {used} of {limit}"
+                                 + (f"\n{tail}" if tail else ""))
+            self._begin_recovery("failed", f"attempt {n}: trainer failed (restart {used}/{limit})")
+            return
+        if wd in ("budget", "deadline"):
+            self._end_attempt(n, "watchdog", f"the node's watchdog stopped it: {wd}")
+            self._begin_stop("OVER_BUDGET", f"{wd}: the node's watchdog stopped the run", write_stop=False)
+            return
+        if wd == "idle":
+            self._end_attempt(n, "watchdog", "the node's watchdog stopped it: idle")
+            self._begin_stop("FAILED", "idle: the node's watchdog saw no progress", write_stop=False)
+            return
+        if NodeState.SUCCEEDED in ended and all(s == NodeState.SUCCEEDED for s in ended):
+            # Exit 0 without DONE: a STOP was honoured (not ours: we are not stopping) → resume.
+            self._begin_recovery("stopped", f"attempt {n}: the trainer stopped without DONE"
+                                 + (f" (watchdog: {wd})" if wd else ""))
+            return
+        if NodeState.TERMINATED in ended:
+            self._begin_recovery("lost", f"attempt {n}: the node was terminated outside this controller")
+            return
+        self._begin_recovery("preempted", f"attempt {n}: preempted" + (f" (watchdog: {wd})" if wd else ""))
+
+    def _watchdog_reason(self, att: dict) -> str | None:
+        try:
+            wd = runuri.read_json(runuri.join(self.run_uri, WATCHDOG))
+        except OSError:
+            return None
+        if not isinstance(wd, dict):
+            return None
+        t = wd.get("time")
+        if isinstance(t, (int, float)) and att.get("launched_at") and t < att["launched_at"] - 1:
+            return None  # from an earlier attempt
+        r = wd.get("reason")
+        return r if isinstance(r, str) else None
+
+    def _exit_code(self, att: dict) -> int | None:
+        lp = att.get("log_path")
+        if not lp:
+            return None
+        try:
+            return int(Path(lp + ".exit").read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def _log_tail(self, nodes: list[dict], lines: int = 15) -> str:
+        out = []
+        for nd in nodes:
+            try:
+                text = self.provider(nd["provider"]).logs(Handle.from_dict(nd["handle"]), tail=lines)
+            except perr.ProviderError:
+                text = ""
+            if not text and nd["handle"].get("data", {}).get("log_path"):
+                try:
+                    text = "\n".join(Path(nd["handle"]["data"]["log_path"]).read_text(errors="replace")
+                                     .splitlines()[-lines:])
+                except OSError:
+                    text = ""
+            if text:
+                out.append(text.rstrip())
+        return "\n".join(out)
+
+    def _end_attempt(self, n: int, outcome: str, reason: str) -> None:
+        a = self.store.get_attempt(self.name, n)
+        if a and a["state"] == "ENDED":
+            return
+        self.store.update_attempt(self.name, n, state="ENDED", outcome=outcome, reason=reason, ended_at=self.now(),
+                                  end_step=self.job()["step"])
+
+    def _fail_now(self, n: int, reason: str, tail: str) -> None:
+        self._end_attempt(n, "failed", reason)
+        full = reason + (f"; last trainer log lines:\n{tail}" if tail else "")
+        self._begin_stop("FAILED", full, write_stop=False)
+
+    def _begin_recovery(self, outcome: str, reason: str) -> None:
+        now = self.now()
+        att = self.current_attempt()
+        if att:
+            self._end_attempt(att["n"], outcome, reason)
+        # Work lost: steps trained past the newest committed checkpoint.
+        job = self.job()
+        committed = self._latest_committed_step() or 0
+        lost = max(0, (job["step"] or 0) - committed)
+        if lost:
+            self.store.update_job(self.name, steps_lost=(job["steps_lost"] or 0) + lost)
+        if self.strategy is None:
+            self._make_strategy()
+        delay = self.strategy.ended() if self.strategy else self.spec.recovery.backoff_seconds
+        self.next_launch_at = now + delay
+        self.recovery_started = self.recovery_started or now
+        self.event(outcome, reason + (f"; {lost} steps lost" if lost else ""))
+        self.transition("RECOVERING", reason)
+        self._terminate_nodes()
+
+    # ---- recovering ----------------------------------------------------------------------------
+    def _check_recovery_time(self, now: float) -> bool:
+        lim = self.spec.recovery.max_recovery_minutes
+        if self.recovery_started is not None and now - self.recovery_started > lim * 60:
+            self._give_up(f"no node running for {(now - self.recovery_started) / 60:.1f} min "
+                          f"(recovery.max_recovery_minutes = {lim:g})")
+            return True
+        return False
+
+    def _give_up(self, reason: str) -> None:
+        self.event("give_up", reason)
+        self._begin_stop("FAILED", reason, write_stop=False)
+
+    def _recover(self, now: float) -> None:
+        if not self._terminate_nodes():
+            return  # remnants not confirmed gone yet: retry next tick
+        if self._check_recovery_time(now):
+            return
+        if self.guard_recovering(now):
+            return
+        if now < self.next_launch_at:
+            return
+        self._launch(now)
+
+    def guard_recovering(self, now: float) -> bool:
+        job = self.job()
+        if job["deadline"] is not None and now + self.poll + self.stop_grace >= job["deadline"]:
+            self._finish("OVER_BUDGET", f"deadline: budget.max_hours ({self.spec.budget.max_hours:g} h) reached")
+            return True
+        return False
+
+    # ---- terminating ---------------------------------------------------------------------------
+    def _terminate_nodes(self) -> bool:
+        """Terminate every live node of the job; True once all are confirmed gone."""
+        all_gone = True
+        for nd in self.store.nodes(self.name, live_only=True):
+            now = self.now()
+            if nd["terminate_requested"] is None:
+                self.store.update_node(nd["id"], terminate_requested=now)
+            try:
+                self.provider(nd["provider"]).terminate(Handle.from_dict(nd["handle"]))
+            except (perr.TerminateNotConfirmed, perr.Transient) as e:
+                self.event("terminate", f"{nd['name']}: not confirmed gone yet ({type(e).__name__}); retrying")
+                all_gone = False
+                continue
+            t = self.now()
+            self.store.update_node(nd["id"], terminated_at=t, state=NodeState.TERMINATED.value)
+            if not [x for x in self.store.nodes(self.name, live_only=True) if x["attempt"] == nd["attempt"]]:
+                self.store.book_spend(self.name, nd["attempt"], t, close=True)
+            self.event("terminate", f"{nd['name']} ({nd['instance_id']}) terminated (confirmed)")
+        return all_gone
+
+    # ---- stopping ------------------------------------------------------------------------------
+    def _cancel(self, now_: bool) -> None:
+        state = self.state
+        if state == "STOPPING":
+            if now_:
+                self.store.update_job(self.name, stop_now=1)
+                self.event("cancel", "down --now: terminating without waiting for the checkpoint")
+            return
+        self.event("cancel", "down requested" + (" (--now)" if now_ else ""))
+        self._begin_stop("CANCELLED", "cancelled by `dtrun down`" + (" --now" if now_ else ""), hard=now_)
+
+    def _begin_stop(self, target: str, reason: str, hard: bool = False, write_stop: bool = True) -> None:
+        now = self.now()
+        live = self.store.nodes(self.name, live_only=True)
+        self.transition("STOPPING", reason, stop_target=target, stop_reason=reason, stop_started=now,
+                        stop_now=int(hard))
+        if write_stop and not hard and live:
+            try:
+                runuri.write_text(runuri.join(self.run_uri, runuri.STOP), f"{reason}\n")
+            except OSError as e:
+                self.event("warning", f"could not write STOP ({e}); terminating without a checkpoint")
+                self.store.update_job(self.name, stop_now=1)
+
+    def _stopping(self, now: float) -> None:
+        job = self.job()
+        live = self.store.nodes(self.name, live_only=True)
+        if live and not job["stop_now"]:
+            states = self._poll_nodes(live)
+            exited = states is not None and all(s.is_terminal for s in states.values())
+            waited = now - (job["stop_started"] or now)
+            why = self.guard.must_terminate_now(now=now, spent=self.store.spend_total(self.name),
+                                                burn_per_hour=self.burn_per_hour(), deadline=job["deadline"])
+            if not exited and waited < self.stop_grace and why is None:
+                return
+            if why:
+                self.event("guard", f"terminating now: {why}")
+            elif not exited:
+                self.event("stop", f"no exit within {self.stop_grace:.0f} s of STOP: terminating")
+        if not self._terminate_nodes():
+            return
+        target, reason = job["stop_target"] or "CANCELLED", job["stop_reason"]
+        if target != "SUCCEEDED" and self._done() is not None:
+            target, reason = "SUCCEEDED", f"training finished (DONE) while stopping for: {reason}"
+        self._finish(target, reason)
+
+    def _finish(self, target: str, reason: str | None) -> None:
+        if not self._terminate_nodes():
+            self.transition("STOPPING", reason, stop_target=target, stop_reason=reason,
+                            stop_started=self.now(), stop_now=1)
+            return
+        now = self.now()
+        att = self.current_attempt()
+        if att and att["state"] != "ENDED":
+            self._end_attempt(att["n"], {"SUCCEEDED": "succeeded", "CANCELLED": "cancelled",
+                                         "OVER_BUDGET": "over_budget"}.get(target, "failed"), reason or target)
+        self._book_spend(now)
+        if target == "SUCCEEDED":
+            done = self._done() or {}
+            cols: dict[str, Any] = {}
+            if isinstance(done.get("step"), int):
+                cols["step"] = done["step"]
+            if done.get("loss") is not None:
+                cols["loss"] = done["loss"]
+            if cols:
+                self.store.update_job(self.name, **cols)
+        self.transition(target, reason)
+        s = self.summary()
+        self.event("summary", f"{target}: wall {s['wall_s']:.0f} s, cost ${s['cost_usd']:.4f}, "
+                              f"{s['attempts']} attempt(s), {s['steps_lost']} steps lost to preemptions", s)
+
+    # ---- reporting -----------------------------------------------------------------------------
+    def summary(self) -> dict:
+        job = self.job()
+        atts = self.session_attempts()
+        start = job["started_at"] or job["created"]
+        end = job["finished_at"] or self.now()
+        return {"name": self.name, "state": job["state"], "reason": job["reason"],
+                "wall_s": max(0.0, end - start), "cost_usd": self.store.spend_total(self.name),
+                "attempts": len(atts), "steps_lost": job["steps_lost"] or 0, "step": job["step"],
+                "steps": job["steps"]}
+
