@@ -1,0 +1,291 @@
+"""Checkpoints in the run URI with torch.distributed.checkpoint (DCP).
+
+One manager over a dict of stateful things (torchtitan's ``components/checkpoint.py``):
+
+* ``model`` / ``optim``: ``get_state_dict`` (DTensor shards; expert weights as DTensors so every
+  expert is saved), loaded with ``set_state_dict`` — DCP reshards on load (save at world 4,
+  resume at 2 or 1);
+* ``train``: completed steps, tokens, last loss (the LR schedule is a function of the step);
+* ``data_dp<r>``: the data position of data-parallel rank ``r``; ``rng_rank<r>``: RNG state of
+  global rank ``r`` (per-rank keys; a rank whose key is absent after a reshard starts from the
+  step-derived position / a seeded RNG).
+
+Saves go to ``<run-uri>/checkpoints/step-<N>/`` through fsspec (s3fs for ``s3://``, endpoint from
+``AWS_ENDPOINT_URL``; credentials from the standard AWS chain, never logged). ``async`` mode uses
+``dcp.async_save`` on a dedicated gloo process group: the loop stalls only while the state is
+staged (copied); the upload runs in a background thread. Rank 0 writes ``COMMITTED`` (JSON) once
+the save's future completes — DCP's final metadata write happens after every rank's data is
+written, so that means every rank is done. The next save first waits for the previous one. After
+a commit, rank 0 keeps the newest ``keep`` COMMITTED steps and deletes older steps. A failed save
+(storage error after s3fs's own retries, plus one whole-save retry for sync saves) leaves the step
+uncommitted, logs a warning and training goes on; the next interval tries again.
+
+Resume takes the newest COMMITTED step; partial folders (no COMMITTED) are ignored (and removed
+at start-up when newer than it). A checkpoint whose model keys or shapes differ from the model
+raises ``ConfigError`` (exit 2): never a silent fresh start. A COMMITTED checkpoint that fails to
+load for another reason → warning, and the previous COMMITTED one is tried.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from orchestrator import runuri
+from trainer.errors import ConfigError
+
+log = logging.getLogger("trainer.checkpoint")
+
+
+def _storage_kwargs(uri: str) -> dict[str, Any]:
+    if uri.startswith("s3://"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+    return {}
+
+
+def _writer(uri: str):
+    lp = runuri.local_path(uri)
+    if lp is not None:
+        return dcp.FileSystemWriter(lp, sync_files=False)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(uri, sync_files=False, **_storage_kwargs(uri))
+
+
+def _reader(uri: str):
+    lp = runuri.local_path(uri)
+    if lp is not None:
+        return dcp.FileSystemReader(lp)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(uri, **_storage_kwargs(uri))
+
+
+class CheckpointManager:
+    def __init__(self, run_uri: str, *, keep: int, async_mode: str, rank: int, world_size: int,
+                 dp_rank: int, describe: dict[str, Any]):
+        self.run_uri, self.keep, self.async_mode = run_uri, keep, async_mode
+        self.rank, self.world_size, self.dp_rank = rank, world_size, dp_rank
+        self.describe = describe  # parallel degrees etc., recorded in COMMITTED
+        self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._pending: tuple[int, Future, dict[str, Any]] | None = None
+        self.last_committed: int | None = None
+        self.last_saved_step: int | None = None
+        self.stall_s: list[float] = []  # loop stall per save (staging for async; whole save for sync)
+
+    # ---- state -------------------------------------------------------------------------------
+    def state_dict(self, model, optimizer, loader, train: dict[str, Any]) -> dict[str, Any]:
+        msd, osd = get_state_dict(model, optimizer)
+        sd: dict[str, Any] = {"model": msd, "optim": osd, "train": dict(train)}
+        sd[f"data_dp{self.dp_rank}"] = loader.state_dict()
+        sd[f"rng_rank{self.rank}"] = torch.get_rng_state()
+        return sd
+
+    # ---- save --------------------------------------------------------------------------------
+    def save(self, step: int, sd: dict[str, Any], meta: dict[str, Any], *, sync: bool = False) -> None:
+        """Save step ``step``; async unless ``sync`` or the spec says sync. Waits for the previous."""
+        self.wait()
+        uri = runuri.checkpoint_uri(self.run_uri, step)
+        t0 = time.perf_counter()
+        self.last_saved_step = step
+        if sync or self.async_mode == "sync":
+            ok = False
+            for attempt in (1, 2):
+                try:
+                    dcp.save(sd, storage_writer=_writer(uri), process_group=self.pg)
+                    ok = True
+                    break
+                except Exception as e:  # noqa: BLE001 - storage errors of any backend
+                    log.warning("checkpoint step %d: save attempt %d failed: %s", step, attempt, _short(e))
+            self.stall_s.append(time.perf_counter() - t0)
+            if ok:
+                self._commit(step, meta)
+            else:
+                log.warning("checkpoint step %d NOT committed; training continues", step)
+            return
+        fut = dcp.async_save(sd, storage_writer=_writer(uri), process_group=self.pg)
+        if hasattr(fut, "upload_completion"):  # AsyncSaveResponse (custom stagers)
+            fut.staging_completion.result()
+            fut = fut.upload_completion
+        self.stall_s.append(time.perf_counter() - t0)
+        self._pending = (step, fut, meta)
+
+    def poll(self) -> None:
+        """Commit a finished async save (non-blocking)."""
+        if self._pending is not None and self._pending[1].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the in-flight async save finishes; commit it if it succeeded."""
+        if self._pending is None:
+            return
+        step, fut, meta = self._pending
+        self._pending = None
+        try:
+            fut.result()
+        except Exception as e:  # noqa: BLE001
+            log.warning("checkpoint step %d: async save failed (%s); NOT committed, training continues",
+                        step, _short(e))
+            return
+        self._commit(step, meta)
+
+    def _commit(self, step: int, meta: dict[str, Any]) -> None:
+        self.last_committed = step
+        if self.rank != 0:
+            return
+        rec = {"step": step, "world_size": self.world_size, "parallel": self.describe, "time": time.time(), **meta}
+        uri = runuri.checkpoint_uri(self.run_uri, step)
+        for attempt in (1, 2, 3):
+            try:
+                runuri.write_json(runuri.join(uri, runuri.COMMITTED), rec)
+                break
+            except Exception as e:  # noqa: BLE001
+                log.warning("checkpoint step %d: COMMITTED write attempt %d failed: %s", step, attempt, _short(e))
+                time.sleep(0.5 * attempt)
+        else:
+            self.last_committed = None
+            return
+        log.info("checkpoint step %d committed", step)
+        self._retain()
+
+    def _retain(self) -> None:
+        try:
+            steps = runuri.checkpoint_steps(self.run_uri)
+            committed = [s for s in steps if runuri.committed(self.run_uri, s) is not None]
+            keep = set(committed[-self.keep:])
+            newest = committed[-1] if committed else -1
+            for s in steps:
+                if s not in keep and s <= newest:
+                    runuri.remove(runuri.checkpoint_uri(self.run_uri, s), recursive=True)
+        except Exception as e:  # noqa: BLE001 - retention is best effort
+            log.warning("checkpoint retention failed: %s", _short(e))
+
+    # ---- resume ------------------------------------------------------------------------------
+    def clean_partial(self, after: int) -> None:
+        """Rank 0: remove uncommitted step folders newer than ``after`` (a previous attempt's)."""
+        if self.rank != 0:
+            return
+        for s in runuri.checkpoint_steps(self.run_uri):
+            if s > after and runuri.committed(self.run_uri, s) is None:
+                log.warning("ignoring partial checkpoint step-%d (no COMMITTED); removing it", s)
+                runuri.remove(runuri.checkpoint_uri(self.run_uri, s), recursive=True)
+
+    def committed_steps(self) -> list[int]:
+        steps = []
+        if self.rank == 0:
+            steps = [s for s in runuri.checkpoint_steps(self.run_uri) if runuri.committed(self.run_uri, s)]
+        if dist.is_initialized():
+            box = [steps]
+            dist.broadcast_object_list(box, src=0)
+            steps = box[0]
+        return steps
+
+    def load_latest(self, model, optimizer, loader) -> dict[str, Any] | None:
+        """Load the newest loadable COMMITTED checkpoint; returns its ``train`` dict or None."""
+        steps = self.committed_steps()
+        self.clean_partial(steps[-1] if steps else -1)
+        for step in reversed(steps):
+            uri = runuri.checkpoint_uri(self.run_uri, step)
+            try:
+                train = self._load(uri, model, optimizer, loader)
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                log.warning("checkpoint step-%d is COMMITTED but failed to load (%s); trying the previous one",
+                            step, _short(e))
+                continue
+            self.last_committed = step
+            self.last_saved_step = step
+            return train
+        return None
+
+    def _load(self, uri: str, model, optimizer, loader) -> dict[str, Any]:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        md = _reader(uri).read_metadata().state_dict_metadata
+        sd = self.state_dict(model, optimizer, loader, {"step": 0, "tokens": 0, "loss": 0.0})
+        _check_model_shapes(uri, sd["model"], md)
+        for k in [k for k in sd if k.startswith(("data_dp", "rng_rank"))]:
+            if not any(m == k or m.startswith(k + ".") for m in md):
+                sd.pop(k)  # per-rank key absent (resharded to more ranks)
+        flat, _ = flatten_state_dict(sd)
+        missing = [k for k in flat if k not in md]
+        if missing:
+            raise ConfigError(f"checkpoint {uri} does not match this run (missing {missing[:3]}"
+                              f"{' …' if len(missing) > 3 else ''}); different optimizer or model? "
+                              f"Use a fresh run URI")
+        dcp.load(sd, storage_reader=_reader(uri), process_group=self.pg)
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        key = f"data_dp{self.dp_rank}"
+        if key in sd:
+            loader.load_state_dict(sd[key])
+        rk = f"rng_rank{self.rank}"
+        if rk in sd:
+            torch.set_rng_state(sd[rk])
+        return sd["train"]
+
+    def close(self) -> None:
+        self.wait()
+
+
+def _check_model_shapes(uri: str, msd: dict[str, Any], md: dict[str, Any]) -> None:
+    problems = []
+    for k, v in msd.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        m = md.get("model." + k)
+        if m is None:
+            problems.append(f"{k}: not in the checkpoint")
+        elif hasattr(m, "size") and tuple(m.size) != tuple(v.shape):
+            problems.append(f"{k}: checkpoint {tuple(m.size)} vs model {tuple(v.shape)}")
+    extra = [k[len("model."):] for k in md if k.startswith("model.") and k[len("model."):] not in msd]
+    problems += [f"{k}: in the checkpoint, not in the model" for k in extra]
+    if problems:
+        raise ConfigError(f"checkpoint {uri} was saved from a different model shape: "
+                          + "; ".join(problems[:4]) + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
+                          + ". Use a fresh run URI or the original trainer.model")
+
+
+def _short(e: BaseException) -> str:
+    s = f"{type(e).__name__}: {e}"
+    return s if len(s) < 400 else s[:400] + "…"
+
+
+def param_digest(model) -> str | None:
+    """sha256 of every parameter and buffer (full tensors, fp32, sorted by name). Collective:
+    every rank must call it; rank 0 gets the hex digest, others None."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    h = hashlib.sha256()
+    items = {}
+    for k, v in model.state_dict().items():
+        name = k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        items[name] = v
+    for name in sorted(items):
+        v = items[name]
+        if isinstance(v, DTensor):
+            v = v.full_tensor()
+        if not isinstance(v, torch.Tensor):
+            continue
+        if dist.is_initialized() and dist.get_rank() != 0:
+            continue
+        h.update(name.encode())
+        h.update(v.detach().float().cpu().contiguous().numpy().tobytes())
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return h.hexdigest()
+
+
+Callback = Callable[[], None]

@@ -1,0 +1,335 @@
+"""A pure GPT (optionally mixture-of-experts) built from ``orchestrator.presets.ModelSpec``.
+
+Pure means: no meshes, no process groups, no parallelism. ``trainer/parallel.py`` applies tensor
+parallelism, activation checkpointing, compile and FSDP2 afterwards (torchtitan's order), and the
+MoE layer takes an optional *dispatcher* for expert parallelism (``MoE.ep_group``), set there.
+
+Shapes follow the ModelSpec exactly, so ``sum(p.numel())`` equals ``ModelSpec.num_params()``
+(tested for every preset on the meta device):
+
+* pre-norm blocks: ``x + attn(norm1(x))`` then ``x + ffn(norm2(x))``; SDPA attention (flash on GPU),
+  grouped-query heads, rotary (``pos: rope``) or learned absolute positions;
+* QK-norm (``qk_norm``): an RMSNorm over each head's queries and keys (weights of ``head_dim``);
+* feed-forward: GELU MLP or SwiGLU; or a MoE layer: a top-k softmax router, a capacity factor
+  (overflow assignments are dropped: the token keeps only the residual for that slot), and load
+  balancing by an auxiliary loss (Switch/GShard) or a DeepSeek-V3 style router-bias update;
+* tied or separate output head.
+
+``build_model(spec, device="meta")`` builds without allocating (for the planner and for FSDP2's
+meta-device init); call ``model.init_weights(seed)`` after ``to_empty``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from orchestrator.presets import ModelSpec
+
+
+def _norm(spec: ModelSpec, dim: int) -> nn.Module:
+    if spec.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=1e-6)
+    return nn.LayerNorm(dim, bias=spec.bias)
+
+
+def _rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary positions on ``x`` of shape (B, T, H, D) (pairs (i, i + D/2), as in GPT-NeoX/Llama)."""
+    T, D = x.shape[1], x.shape[-1]
+    half = D // 2
+    inv = 1.0 / (base ** (torch.arange(0, half, device=x.device, dtype=torch.float32) / half))
+    ang = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv)  # (T, half)
+    cos = ang.cos()[None, :, None, :].to(x.dtype)
+    sin = ang.sin()[None, :, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        d, hd = spec.d_model, spec.head_dim
+        self.head_dim = hd
+        self.rope = spec.pos == "rope"
+        self.wq = nn.Linear(d, spec.n_heads * hd, bias=spec.bias)
+        self.wk = nn.Linear(d, spec.kv_heads * hd, bias=spec.bias)
+        self.wv = nn.Linear(d, spec.kv_heads * hd, bias=spec.bias)
+        self.wo = nn.Linear(spec.n_heads * hd, d, bias=spec.bias)
+        self.q_norm = nn.RMSNorm(hd, eps=1e-6) if spec.qk_norm else None
+        self.k_norm = nn.RMSNorm(hd, eps=1e-6) if spec.qk_norm else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope:
+            q, k = _rope(q), _rope(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:  # grouped-query attention: repeat kv heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, hidden: int):
+        super().__init__()
+        d = spec.d_model
+        self.swiglu = spec.mlp == "swiglu"
+        self.w1 = nn.Linear(d, hidden, bias=spec.bias)
+        self.w2 = nn.Linear(hidden, d, bias=spec.bias)
+        self.w3 = nn.Linear(d, hidden, bias=spec.bias) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Experts(nn.Module):
+    """All experts of one MoE layer as stacked weights ``(n_experts, in, out)``.
+
+    Under expert parallelism ``parallel.py`` turns each weight into a DTensor sharded on dim 0
+    over the ``ep`` mesh axis; ``forward`` then runs only the local experts (``to_local``).
+    """
+
+    def __init__(self, spec: ModelSpec, n_experts: int, hidden: int):
+        super().__init__()
+        d = spec.d_model
+        self.swiglu = spec.mlp == "swiglu"
+        self.w1 = nn.Parameter(torch.empty(n_experts, d, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, d))
+        self.w3 = nn.Parameter(torch.empty(n_experts, d, hidden)) if self.swiglu else None
+        if spec.bias:
+            self.b1 = nn.Parameter(torch.zeros(n_experts, hidden))
+            self.b2 = nn.Parameter(torch.zeros(n_experts, d))
+            self.b3 = nn.Parameter(torch.zeros(n_experts, hidden)) if self.swiglu else None
+        else:
+            self.b1 = self.b2 = self.b3 = None
+
+    @staticmethod
+    def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``x`` holds tokens grouped by local expert, ``counts[e]`` of them for expert ``e``."""
+        w1, w2, w3 = self._local(self.w1), self._local(self.w2), self._local(self.w3)
+        b1, b2, b3 = self._local(self.b1), self._local(self.b2), self._local(self.b3)
+        outs = []
+        for e, xe in enumerate(torch.split(x, counts)):
+            h = xe @ w1[e]
+            if b1 is not None:
+                h = h + b1[e]
+            if self.swiglu:
+                g = xe @ w3[e]
+                if b3 is not None:
+                    g = g + b3[e]
+                h = F.silu(h) * g
+            else:
+                h = F.gelu(h)
+            y = h @ w2[e]
+            if b2 is not None:
+                y = y + b2[e]
+            outs.append(y)
+        return torch.cat(outs, dim=0) if outs else x.new_zeros(0, x.shape[-1])
+
+
+class MoE(nn.Module):
+    """Top-k routed experts with a capacity factor and load balancing.
+
+    ``ep_group`` (set by parallel.py) is the expert-parallel process group: tokens go to the rank
+    that owns their expert with ``all_to_all_single`` (uneven split sizes) and come back the same
+    way. ``None`` runs every expert locally.
+    """
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        assert spec.moe is not None
+        m = spec.moe
+        self.n_experts, self.top_k = m.n_experts, m.top_k
+        self.capacity_factor = m.capacity_factor
+        self.balance, self.aux_coef, self.bias_rate = m.balance, m.aux_loss_coef, m.bias_update_rate
+        self.router = nn.Linear(spec.d_model, m.n_experts, bias=False)
+        self.experts = Experts(spec, m.n_experts, spec.expert_dim)
+        # DeepSeek-V3 style balancing: a bias added to the scores for *selection* only.
+        self.register_buffer("expert_bias", torch.zeros(m.n_experts), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(m.n_experts), persistent=False)
+        self.ep_group: Any = None
+        self.ep_size = 1
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        xf = x.reshape(-1, d)
+        N, E, k = xf.shape[0], self.n_experts, self.top_k
+        probs = F.softmax(self.router(xf).float(), dim=-1)  # (N, E)
+        with torch.no_grad():
+            sel = torch.topk(probs + self.expert_bias, k, dim=-1).indices  # (N, k)
+        gates = probs.gather(1, sel)
+        gates = (gates / gates.sum(-1, keepdim=True)).to(x.dtype)
+
+        flat_e = sel.reshape(-1)
+        counts_all = torch.bincount(flat_e, minlength=E)
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert += counts_all.to(self.tokens_per_expert.dtype)
+        if self.balance == "aux_loss" and self.aux_coef > 0:
+            frac = counts_all.to(probs.dtype) / (N * k)
+            self.aux_loss = self.aux_coef * E * (frac * probs.mean(0)).sum()
+        else:
+            self.aux_loss = None
+
+        # Capacity: each expert takes at most C of this rank's assignments; the rest are dropped.
+        cap = max(1, math.ceil(self.capacity_factor * N * k / E))
+        order = torch.argsort(flat_e, stable=True)
+        sorted_e = flat_e[order]
+        starts = torch.cumsum(counts_all, 0) - counts_all
+        keep = (torch.arange(N * k, device=x.device) - starts[sorted_e]) < cap
+        order, sorted_e = order[keep], sorted_e[keep]
+        counts = torch.bincount(sorted_e, minlength=E)
+        tok = order // k
+        xs = xf[tok]
+
+        if self.ep_group is None:
+            ys = self.experts(xs, counts.tolist())
+        else:
+            ys = self._ep_forward(xs, counts)
+
+        out = torch.zeros_like(xf)
+        out.index_add_(0, tok, ys * gates.reshape(-1)[order].unsqueeze(-1))
+        return out.view(B, T, d)
+
+    def _ep_forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        ep, E = self.ep_size, self.n_experts
+        el = E // ep
+        # How many tokens each source rank sends to each of my local experts.
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.ep_group)
+        send_splits = counts.view(ep, el).sum(1).tolist()
+        recv_2d = recv.view(ep, el)
+        recv_splits = recv_2d.sum(1).tolist()
+        xr = all_to_all_single_autograd(xs, recv_splits, send_splits, self.ep_group)
+        # Arrived grouped by (source rank, local expert): regroup by local expert.
+        seg_expert = torch.arange(el, device=xs.device).repeat(ep)
+        tok_expert = torch.repeat_interleave(seg_expert, recv_2d.reshape(-1))
+        perm = torch.argsort(tok_expert, stable=True)
+        ys = self.experts(xr[perm], recv_2d.sum(0).tolist())
+        back = torch.empty_like(ys)
+        back[perm] = ys
+        return all_to_all_single_autograd(back, send_splits, recv_splits, self.ep_group)
+
+    @torch.no_grad()
+    def update_bias(self, counts: torch.Tensor) -> None:
+        """DeepSeek-V3 balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
+        if self.balance == "bias" and self.bias_rate > 0:
+            self.expert_bias += self.bias_rate * torch.sign(counts.mean() - counts)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, i: int):
+        super().__init__()
+        self.norm1 = _norm(spec, spec.d_model)
+        self.attn = Attention(spec)
+        self.norm2 = _norm(spec, spec.d_model)
+        self.ffn: nn.Module = MoE(spec) if spec.is_moe_layer(i) else MLP(spec, spec.ff_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.ffn(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.tok_emb = nn.Embedding(spec.vocab_size, spec.d_model)
+        self.pos_emb = nn.Embedding(spec.max_seq_len, spec.d_model) if spec.pos == "learned" else None
+        self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(spec.n_layers)})
+        self.norm = _norm(spec, spec.d_model)
+        self.head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
+        if spec.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 style init (normal 0.02, residual projections scaled by 1/sqrt(2 n_layers)),
+        from a seeded generator so every rank and every world size starts identically."""
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        resid_std = 0.02 / math.sqrt(2 * self.spec.n_layers)
+
+        def normal_(t: torch.Tensor, std: float) -> None:
+            full = torch.empty(t.shape, dtype=torch.float32).normal_(0.0, std, generator=g)
+            _copy_full(t, full)
+
+        for name, p in self.named_parameters():  # deterministic order; tied weight visited once
+            if name.endswith(".bias") or name.split(".")[-1] in ("b1", "b2", "b3"):
+                _copy_full(p, torch.zeros(p.shape))
+            elif "norm" in name:
+                _copy_full(p, torch.ones(p.shape))
+            elif name.endswith(("wo.weight", "w2.weight")) or name.endswith("experts.w2"):
+                normal_(p, resid_std)
+            else:
+                normal_(p, 0.02)
+        for name, b in self.named_buffers():
+            _copy_full(b, torch.zeros(b.shape))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.layers.values():
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def aux_loss(self) -> torch.Tensor | None:
+        losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        return sum(losses) if losses else None  # type: ignore[return-value]
+
+
+def _copy_full(t: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full (global) tensor into ``t``, which may be a DTensor shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(t, DTensor):
+        # src_data_rank=None: every rank holds the same full tensor; slice locally, no comms.
+        local = distribute_tensor(full.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
+        t.to_local().copy_(local.to_local())
+    else:
+        t.copy_(full.to(device=t.device, dtype=t.dtype))
+
+
+def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int | None = None) -> GPT:
+    """The GPT for ``spec``. On ``meta`` nothing is allocated (the planner counts shapes;
+    parallel.py shards then materialises). With ``seed`` the weights are initialised."""
+    with torch.device(device):
+        model = GPT(spec)
+    if seed is not None and str(device) != "meta":
+        model.init_weights(seed)
+    return model
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total loss, cross-entropy) in fp32. ``z_loss`` adds coef · mean(logsumexp(logits)²) (PaLM)."""
+    logits = logits.float().view(-1, logits.shape[-1])
+    ce = F.cross_entropy(logits, targets.reshape(-1))
+    if z_loss > 0:
+        return ce + z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean(), ce
+    return ce, ce

@@ -1,0 +1,305 @@
+"""Parallelism for the pure model in ``trainer/model.py`` (torchtitan's order).
+
+* ``ParallelDims(dp_shard, tp, ep, world_size)`` validated *before* any process group starts, with
+  one error naming every factor and the world size.
+* ``build_meshes``: the dense mesh ``(dp_shard, tp)`` (or ``(dp_replicate, tp)`` for DDP-style
+  replication, HSDP with a shard group of one) and, for expert parallelism, a separate expert
+  mesh ``(dp_rep, ep)`` with ``dp_shard = dp_rep × ep``.
+* ``parallelize``: tensor parallelism (column-wise wq/wk/wv/w1/w3, row-wise wo/w2; QK-norm as a
+  head-sharded DTensor so its gradient sums over heads; embedding/head only when untied), then
+  activation checkpointing, then torch.compile (GPU only), then FSDP2 ``fully_shard`` per block
+  and on the root (bf16 params / fp32 reduce on GPU, fp32 on CPU). MoE experts become DTensors
+  ``[Replicate(), Shard(0)]`` on the expert mesh (so DCP saves every expert); FSDP ignores them
+  and ``finish_expert_grads`` averages their gradients (all-reduce over ``dp_rep``, ÷ dp).
+  Restrictions (clear errors): ep > 1 needs tp = 1; ``replicate`` needs ep = 1.
+* ``clip_grad_norm_``: global L2 norm over DTensor grads on several meshes.
+* ``sharded_state_bytes(model, optimizer)``: for the planner (issue 7) — bytes of *this rank's*
+  local shards of parameters, gradients and optimizer state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from orchestrator.presets import ModelSpec
+from trainer.errors import ConfigError
+
+
+@dataclass
+class ParallelDims:
+    dp_shard: int
+    tp: int
+    ep: int
+    world_size: int
+    replicate: bool = False
+
+    @classmethod
+    def from_spec(cls, spec: Any, world_size: int) -> "ParallelDims":
+        """Degrees from a JobSpec. ``dp_shard: -1`` and ``parallel: auto`` fill in from the
+        actual world size (so a resumed run may use another node count)."""
+        raw = spec.trainer.parallel
+        if raw == "auto":
+            return cls(world_size, 1, 1, world_size, False)
+        dp = raw.dp_shard if raw.dp_shard != -1 else max(1, world_size // raw.tp)
+        return cls(dp, raw.tp, raw.ep, world_size, raw.replicate)
+
+    def validate(self, model: ModelSpec | None = None) -> None:
+        d = f"dp_shard ({self.dp_shard}) × tp ({self.tp}), ep ({self.ep}), world size ({self.world_size})"
+        problems = []
+        if self.dp_shard < 1 or self.tp < 1 or self.ep < 1:
+            problems.append("every degree must be ≥ 1")
+        elif self.dp_shard * self.tp != self.world_size:
+            problems.append(f"dp_shard × tp = {self.dp_shard * self.tp} must equal the world size "
+                            f"(torchrun --nproc-per-node × --nnodes)")
+        if self.ep > 1 and self.dp_shard % self.ep:
+            problems.append("ep must divide dp_shard")
+        if self.ep > 1 and self.tp > 1:
+            problems.append("ep > 1 with tp > 1 is not supported by the bundled trainer")
+        if self.ep > 1 and self.replicate:
+            problems.append("ep > 1 with replicate: true is not supported")
+        if model is not None:
+            if self.ep > 1 and model.moe is None:
+                problems.append("ep > 1 needs a MoE model")
+            if model.moe is not None and model.moe.n_experts % self.ep:
+                problems.append(f"ep must divide n_experts ({model.moe.n_experts})")
+            if model.n_heads % self.tp or model.kv_heads % self.tp:
+                problems.append(f"tp must divide n_heads ({model.n_heads}) and n_kv_heads ({model.kv_heads})")
+            if self.tp > 1 and model.ff_dim % self.tp:
+                problems.append(f"tp must divide the feed-forward size ({model.ff_dim})")
+        if problems:
+            raise ConfigError(f"invalid parallel degrees: {d}: " + "; ".join(problems))
+
+    @property
+    def dp(self) -> int:
+        return self.dp_shard
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    def dp_rank(self, rank: int) -> int:
+        """Data-parallel rank of a global rank (tp is the innermost mesh dimension)."""
+        return rank // self.tp
+
+
+@dataclass
+class Meshes:
+    dense: Any
+    fsdp: Any | None
+    tp: Any | None
+    expert: Any | None
+
+
+def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dims.replicate:
+        dense = init_device_mesh(device_type, (dims.dp, 1, dims.tp),
+                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        fsdp = dense["dp_replicate", "dp_shard"] if dims.dp > 1 else None
+    else:
+        dense = init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=("dp_shard", "tp"))
+        fsdp = dense["dp_shard"] if dims.dp > 1 else None
+    tp = dense["tp"] if dims.tp > 1 else None
+    expert = None
+    if dims.ep > 1:
+        expert = init_device_mesh(device_type, (dims.dp // dims.ep, dims.ep), mesh_dim_names=("dp_rep", "ep"))
+    return Meshes(dense, fsdp, tp, expert)
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    from trainer.model import Experts
+
+    return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
+
+
+def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module)
+
+    from trainer.model import MLP
+
+    for block in model.layers.values():
+        plan: dict[str, Any] = {
+            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(),
+        }
+        if isinstance(block.ffn, MLP):
+            plan["ffn.w1"] = ColwiseParallel()
+            plan["ffn.w2"] = RowwiseParallel()
+            if block.ffn.w3 is not None:
+                plan["ffn.w3"] = ColwiseParallel()
+        if block.attn.q_norm is not None:
+            # Each rank normalises its own heads: a DTensor sharded on the head dim (2) makes the
+            # replicated norm weight's gradient a sum over every head.
+            plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
+    if not model.spec.tie_embeddings:
+        parallelize_module(model, tp_mesh, {
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Replicate()),
+        })
+    # Tied embeddings stay replicated over tp (sharded by FSDP over dp): one Parameter cannot be
+    # both the row-wise embedding and the column-wise head under parallelize_module.
+
+
+def apply_ep(model: nn.Module, expert_mesh: Any) -> None:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from trainer.model import Experts
+
+    for moe in model.moe_layers():
+        moe.ep_group = expert_mesh.get_group("ep")
+        moe.ep_size = expert_mesh.size(1)
+        ex: Experts = moe.experts
+        for name, p in list(ex.named_parameters(recurse=False)):
+            dt = distribute_tensor(p.data, expert_mesh, [Replicate(), Shard(0)], src_data_rank=None)
+            ex.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if mode == "full" or (mode == "selective" and i % 2 == 0):
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_fp8(model: nn.Module) -> None:
+    try:
+        from torchao.float8 import convert_to_float8_training  # type: ignore[import-not-found]
+    except ImportError:
+        raise ConfigError("trainer.fp8: true needs torchao (pip install torchao); it is not installed") from None
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        return isinstance(mod, nn.Linear) and fqn != "head" and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+
+    convert_to_float8_training(model, module_filter_fn=keep)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, *, device: torch.device,
+                activation_checkpointing: str = "none", compile: bool = False, fp8: bool = False,
+                param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> nn.Module:
+    """TP → EP → fp8 → AC → compile → FSDP2, in place on a (meta) model. Returns the model."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if fp8:
+        if device.type != "cuda":
+            raise ConfigError("trainer.fp8: true needs a CUDA GPU (Hopper or newer); this run is on CPU")
+        apply_fp8(model)
+    if meshes.tp is not None:
+        apply_tp(model, meshes.tp)
+    if meshes.expert is not None:
+        apply_ep(model, meshes.expert)
+    apply_ac(model, activation_checkpointing)
+    if compile and device.type == "cuda":
+        for name, block in model.layers.items():
+            block.compile()
+    if meshes.fsdp is not None:
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+        ignored = set(expert_params(model))
+        for block in model.layers.values():
+            own = {p for p in block.parameters() if p in ignored}
+            fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                        ignored_params=own or None)
+        fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored or None)
+    return model
+
+
+@torch.no_grad()
+def finish_expert_grads(model: nn.Module, dims: ParallelDims, meshes: Meshes) -> None:
+    """Expert-parallel gradients: tokens from every rank of the ep group reach the owner, so its
+    gradient is a *sum* of per-rank losses; sum over expert replicas and divide by dp to match the
+    FSDP-averaged gradient of the mean loss."""
+    if meshes.expert is None:
+        return
+    rep_group = meshes.expert.get_group("dp_rep") if meshes.expert.size(0) > 1 else None
+    for p in expert_params(model):
+        if p.grad is None:
+            continue
+        g = p.grad.to_local()
+        if rep_group is not None:
+            dist.all_reduce(g, group=rep_group)
+        g.div_(dims.dp)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Global L2 norm of all gradients (DTensors on any meshes, or plain tensors); clip in place
+    when ``max_norm`` is set. Returns the norm before clipping."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    total_sq = None
+    for gs in groups.values():
+        n = torch.nn.utils.get_total_norm(gs, 2.0)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        sq = n.float() ** 2
+        total_sq = sq if total_sq is None else total_sq + sq
+    if total_sq is None:
+        return torch.zeros(())
+    total = total_sq.sqrt()
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for gs in groups.values() for g in gs]
+        torch._foreach_mul_(locals_, coef.to(locals_[0].device))
+    return total
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def sharded_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """This rank's bytes of local shards: ``{"params", "grads", "optimizer", "total"}``.
+
+    Parameters are counted once (tied weights too); grads only where ``.grad`` is set (call after a
+    backward); optimizer state is every tensor in ``optimizer.state`` (AdamW: exp_avg, exp_avg_sq
+    and the 0-dim ``step`` counters; Muon: momentum buffers), all as held (DTensor local shards).
+    Buffers (e.g. MoE router bias) are not counted.
+    """
+    seen: set[int] = set()
+    params = grads = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        params += _local_bytes(p)
+        if p.grad is not None:
+            grads += _local_bytes(p.grad)
+    opt = 0
+    if optimizer is not None:
+        for st in optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    opt += _local_bytes(v)
+    return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}

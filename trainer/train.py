@@ -1,0 +1,329 @@
+"""The training run: ``torchrun --nproc-per-node N -m trainer --job JOB.yaml --run-uri URI``.
+
+Order of events (every failure before step 1 is a one-line error and exit 2):
+
+1. load and validate the job spec; ``ParallelDims`` against ``WORLD_SIZE`` — before any process
+   group; batch sizes against the data-parallel degree;
+2. rank 0 probes the run URI (write, read back, delete) — unreachable/unwritable → exit 2;
+3. process groups (gloo on CPU, nccl + gloo on GPU), meshes; the model is built on the meta
+   device, parallelised (TP → EP → AC → compile → FSDP2), materialised and initialised from the
+   seed; optimizer; data loader;
+4. resume from the newest COMMITTED checkpoint, if any;
+5. the loop. After each optimizer step one all-reduce carries (SIGTERM seen, STOP seen by rank 0,
+   auto-checkpoint due, loss): every rank agrees on what happens next.
+   * SIGTERM (spot notice; torchrun forwards it) → emergency checkpoint (sync, after the in-flight
+     async one) → exit 75 (``runuri.EXIT_PREEMPTED``: "resume me").
+   * ``STOP`` in the run URI (polled by a rank-0 thread every 0.5 s) → checkpoint → exit 0.
+   * the last step → final checkpoint committed → ``DONE`` (final metrics, incl. ``param_digest``,
+     a sha256 of every parameter: equal digests = bit-identical models) → exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+from orchestrator import runuri
+from orchestrator.runuri import EXIT_BAD_CONFIG, EXIT_DONE, EXIT_PREEMPTED
+from trainer.errors import ConfigError
+
+log = logging.getLogger("trainer")
+
+AUTO_CHECKPOINT_SECONDS = 600.0
+"""``checkpoint.every_steps: auto`` when the orchestrator did not resolve it: every 10 minutes."""
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer", allow_abbrev=False,
+                                description="The dtrun trainer (run it under torchrun).")
+    p.add_argument("--job", required=True, help="job spec YAML (orchestrator.spec)")
+    p.add_argument("--run-uri", dest="run_uri", default=None, help="override the spec's run URI")
+    return p.parse_args(argv)
+
+
+def _normalize_uri(uri: str) -> str:
+    if "://" not in uri:
+        return "file://" + os.path.abspath(os.path.expanduser(uri))
+    if uri.startswith("file://"):
+        return "file://" + os.path.abspath(os.path.expanduser(uri[len("file://"):]))
+    return uri
+
+
+def probe_run_uri(uri: str) -> None:
+    """Write, read back and delete a small object under the run URI, or raise ConfigError."""
+    probe = runuri.join(uri, f".dtrun-probe-{uuid.uuid4().hex[:8]}")
+    try:
+        runuri.write_text(probe, "ok")
+        if runuri.read_text(probe) != "ok":
+            raise OSError("read back a different value")
+        runuri.remove(probe)
+    except Exception as e:  # noqa: BLE001 - every storage error means "unusable"
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(f"run URI {uri} is not usable (write/read/delete failed): "
+                          f"{type(e).__name__}: {msg[:300]}") from None
+
+
+class _Flags:
+    def __init__(self) -> None:
+        self.sigterm = False
+        self.stop = False
+
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        self.sigterm = True
+
+
+def _stop_poller(uri: str, flags: _Flags, done: threading.Event) -> None:
+    stop_uri = runuri.join(uri, runuri.STOP)
+    while not done.is_set():
+        try:
+            if runuri.exists(stop_uri):
+                flags.stop = True
+                return
+        except Exception:  # noqa: BLE001 - a failed poll is retried on the next tick
+            pass
+        done.wait(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [rank{}] %(levelname)s %(message)s".format(
+        os.environ.get("RANK", "0")), stream=sys.stdout)
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    try:
+        return Run(args).run()
+    except ConfigError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"dtrun trainer: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_CONFIG
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace):
+        from orchestrator.errors import SpecError
+        from orchestrator.spec import load_spec
+
+        try:
+            self.spec = load_spec(args.job)
+        except SpecError as e:
+            raise ConfigError(str(e)) from None
+        self.run_uri = _normalize_uri(args.run_uri or self.spec.run_uri)
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    def run(self) -> int:
+        from trainer.parallel import ParallelDims
+
+        t = self.spec.trainer
+        ms = t.model_spec
+        dims = ParallelDims.from_spec(self.spec, self.world)
+        dims.validate(ms)  # before any process group
+        if t.batch_size % dims.dp:
+            raise ConfigError(f"trainer.batch_size ({t.batch_size}) must be divisible by the data-parallel "
+                              f"degree ({dims.dp})")
+        mb = t.micro_batch_size or t.batch_size // dims.dp
+        if t.batch_size % (dims.dp * mb):
+            raise ConfigError(f"trainer.batch_size ({t.batch_size}) must be a multiple of micro_batch_size "
+                              f"({mb}) × data-parallel degree ({dims.dp})")
+        if t.fp8:
+            import importlib.util
+
+            if importlib.util.find_spec("torchao") is None:
+                raise ConfigError("trainer.fp8: true needs torchao (pip install torchao); it is not installed")
+        self.dims, self.mb = dims, mb
+        return self._run_distributed()
+
+    def _run_distributed(self) -> int:
+        import torch
+        import torch.distributed as dist
+
+        t = self.spec.trainer
+        use_cuda = torch.cuda.is_available() and self.spec.resources.gpu != "cpu"
+        self.device = torch.device("cuda", self.local_rank) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(self.device)
+        if self.world > 1 or "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo",
+                                    device_id=self.device if use_cuda else None)
+        try:
+            # The run URI must be usable before step 1 (rank 0 probes, everyone learns the verdict).
+            err = None
+            if self.rank == 0:
+                try:
+                    probe_run_uri(self.run_uri)
+                except ConfigError as e:
+                    err = str(e)
+            if dist.is_initialized():
+                box = [err]
+                dist.broadcast_object_list(box, src=0)
+                err = box[0]
+            if err:
+                raise ConfigError(err)
+            return self._train()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _train(self) -> int:
+        import torch
+        import torch.distributed as dist
+
+        from trainer.checkpoint import CheckpointManager, param_digest
+        from trainer.data import DataLoader, build_source
+        from trainer.metrics import Metrics, peak_flops
+        from trainer.model import build_model, loss_fn
+        from trainer.optim import build_optimizer, lr_at
+        from trainer.parallel import build_meshes, clip_grad_norm_, finish_expert_grads, parallelize
+
+        spec, t, dims, device = self.spec, self.spec.trainer, self.dims, self.device
+        ms = t.model_spec
+        torch.manual_seed(t.seed + self.rank)
+        on_gpu = device.type == "cuda"
+        param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision) if on_gpu else None
+        if on_gpu:
+            torch.backends.cuda.matmul.allow_tf32 = True
+
+        meshes = build_meshes(dims, device.type)
+        model = build_model(ms, device="meta")
+        parallelize(model, dims, meshes, device=device, activation_checkpointing=t.activation_checkpointing,
+                    compile=t.compile and on_gpu, fp8=t.fp8, param_dtype=param_dtype,
+                    reshard_after_forward=(spec.trainer.parallel.reshard_after_forward
+                                           if spec.trainer.parallel != "auto" else True))
+        if t.compile and not on_gpu and self.rank == 0:
+            log.info("trainer.compile ignored on CPU")
+        model.to_empty(device=device)
+        if ms.tie_embeddings and model.head.weight is not model.tok_emb.weight:
+            model.head.weight = model.tok_emb.weight
+        model.init_weights(t.seed)
+        model.train()
+        params = list(model.parameters())
+        optimizer = build_optimizer(model, t, device)
+
+        dp_rank = dims.dp_rank(self.rank)
+        source = build_source(t.data, t.seq_len, ms.vocab_size, t.seed)
+        loader = DataLoader(source, global_batch=t.batch_size, micro_batch=self.mb, dp_rank=dp_rank,
+                            dp=dims.dp, device=device)
+        describe = {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate}
+        ckpt = CheckpointManager(self.run_uri, keep=spec.checkpoint.keep, async_mode=spec.checkpoint.async_mode,
+                                 rank=self.rank, world_size=self.world, dp_rank=dp_rank, describe=describe)
+        total = t.total_steps
+        metrics = Metrics(self.run_uri, rank=self.rank, steps=total, world_size=self.world,
+                          tokens_per_step=t.tokens_per_step, flops_per_token=ms.flops_per_token(t.seq_len),
+                          peak_flops_per_rank=peak_flops(device.type), heartbeat_s=t.heartbeat_seconds,
+                          log_every=t.log_every)
+
+        step, tokens, last_loss = 0, 0, float("nan")
+        resumed = ckpt.load_latest(model, optimizer, loader)
+        if resumed is not None:
+            step, tokens, last_loss = int(resumed["step"]), int(resumed["tokens"]), float(resumed["loss"])
+            if self.rank == 0:
+                log.info("resumed from checkpoint step %d", step)
+        every = spec.checkpoint.every_steps
+        self.flags = flags = _Flags()
+        signal.signal(signal.SIGTERM, flags.on_sigterm)
+        poll_done = threading.Event()
+        if self.rank == 0:
+            threading.Thread(target=_stop_poller, args=(self.run_uri, flags, poll_done), daemon=True).start()
+        metrics.start(step)
+        metrics.progress(step, None if step == 0 else last_loss, ckpt.last_committed, force=True)
+        last_auto = time.monotonic()
+        moe_layers = model.moe_layers()
+        t_start = time.time()
+
+        def save(at: int, sync: bool = False) -> None:
+            sd = ckpt.state_dict(model, optimizer, loader, {"step": at, "tokens": tokens, "loss": last_loss})
+            ckpt.save(at, sd, {"tokens": tokens, "loss": last_loss}, sync=sync)
+
+        def finish(code: int, status: str) -> int:
+            poll_done.set()
+            metrics.progress(step, last_loss, ckpt.last_committed, status=status, force=True, exit_code=code)
+            return code
+
+        try:
+            while step < total:
+                lr = lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=total,
+                           min_lr_ratio=t.min_lr_ratio)
+                for g in optimizer.param_groups:
+                    g["lr"] = lr
+                loss_acc = torch.zeros((), device=device)
+                accum = loader.accum_steps
+                for x, y in loader.batches(step):
+                    loss, ce = loss_fn(model(x), y, t.z_loss)
+                    aux = model.aux_loss()
+                    if aux is not None:
+                        loss = loss + aux
+                    (loss / accum).backward()
+                    loss_acc += ce.detach() / accum
+                finish_expert_grads(model, dims, meshes)
+                gnorm = clip_grad_norm_(params, t.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if moe_layers and any(m.balance == "bias" for m in moe_layers):
+                    counts = torch.stack([m.tokens_per_expert for m in moe_layers])
+                    if dist.is_initialized():
+                        dist.all_reduce(counts)
+                    for m, c in zip(moe_layers, counts):
+                        m.update_bias(c)
+                for m in moe_layers:
+                    m.tokens_per_expert.zero_()
+                loader.advance(step)
+                step += 1
+                tokens += t.tokens_per_step
+
+                # One all-reduce: SIGTERM anywhere, STOP (rank 0), auto-checkpoint due (rank 0), loss.
+                auto_due = every == "auto" and time.monotonic() - last_auto >= AUTO_CHECKPOINT_SECONDS
+                vec = torch.stack([
+                    torch.tensor(float(flags.sigterm), device=device),
+                    torch.tensor(float(flags.stop and self.rank == 0), device=device),
+                    torch.tensor(float(auto_due and self.rank == 0), device=device),
+                    loss_acc.float(),
+                ])
+                if dist.is_initialized():
+                    dist.all_reduce(vec)
+                    vec[3] /= self.world
+                term, stop, auto_now, last_loss = (v for v in vec.tolist())
+                ckpt.poll()
+                metrics.step(step, last_loss, float(gnorm), lr, ckpt.last_committed)
+
+                if term > 0:
+                    log.warning("SIGTERM: emergency checkpoint at step %d", step)
+                    ckpt.wait()
+                    if ckpt.last_saved_step != step:
+                        save(step, sync=True)
+                    return finish(EXIT_PREEMPTED, "preempted")
+                if stop > 0:
+                    if self.rank == 0:
+                        log.info("STOP found in the run URI: checkpoint at step %d and exit", step)
+                    ckpt.wait()
+                    if ckpt.last_saved_step != step:
+                        save(step, sync=True)
+                    return finish(EXIT_DONE, "stopped")
+                due = (isinstance(every, int) and step % every == 0) or auto_now > 0
+                if due and step < total:
+                    save(step)
+                    last_auto = time.monotonic()
+
+            ckpt.wait()
+            if ckpt.last_saved_step != step:
+                save(step, sync=True)
+            digest = param_digest(model)
+            if self.rank == 0:
+                if ckpt.last_committed == step:
+                    runuri.write_json(runuri.join(self.run_uri, runuri.DONE), {
+                        "step": step, "loss": last_loss, "tokens": tokens, "time": time.time(),
+                        "elapsed_s": time.time() - t_start, "param_digest": digest,
+                        "world_size": self.world, "checkpoint_stall_s": ckpt.stall_s,
+                    })
+                    log.info("done: step %d loss %.4f", step, last_loss)
+                else:
+                    log.warning("final checkpoint not committed; DONE not written")
+            return finish(EXIT_DONE, "done")
+        finally:
+            poll_done.set()
+            ckpt.close()
