@@ -382,6 +382,7 @@ class Controller:
             "DTRUN_NNODES": str(s.resources.nodes),
             "DTRUN_PRICE_PER_HOUR": f"{offer.price_per_gpu_hour * offer.gpus_per_node:.6f}",
             "DTRUN_IDLE_MINUTES": f"{s.teardown.idle_minutes:g}",
+            "DTRUN_LAUNCHED_AT": f"{self.now():.3f}",
         }
         if s.budget.max_usd is not None:
             env["DTRUN_BUDGET_LEFT_USD"] = f"{max(0.0, s.budget.max_usd - spent) / s.resources.nodes:.6f}"

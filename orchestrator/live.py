@@ -1,0 +1,144 @@
+"""What ``dtrun up`` shows while the controller runs.
+
+On a terminal: a rich live view — state, a progress bar of steps with ETA, loss, tokens/s, spend
+against the budget, attempts, and the newest events. Without one (CI, nohup, a pipe, the detached
+controller's log): plain timestamped lines — every event, and a progress line every
+``every_s`` seconds while the step moves.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+from orchestrator.state import StateStore
+
+
+def _money(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return f"${x:,.4f}" if x < 1 else f"${x:,.2f}"
+
+
+def snapshot(store: StateStore, name: str) -> dict[str, Any]:
+    job = store.get_job(name) or {}
+    atts = store.attempts(name)
+    first = job.get("session_first_attempt") or 1
+    return {
+        "state": job.get("state"), "reason": job.get("reason"), "step": job.get("step"),
+        "steps": job.get("steps"), "loss": job.get("loss"), "tokens_per_s": job.get("tokens_per_s"),
+        "cost": store.spend_total(name), "budget": job.get("budget_usd"),
+        "attempts": len([a for a in atts if a["n"] >= first]), "attempt": atts[-1]["n"] if atts else None,
+        "committed": job.get("last_committed_step"), "steps_lost": job.get("steps_lost") or 0,
+    }
+
+
+def progress_line(s: dict[str, Any]) -> str:
+    step = s["step"] if s["step"] is not None else 0
+    steps = s["steps"] or 0
+    parts = [f"{s['state']}", f"step {step}/{steps}"]
+    if s["loss"] is not None:
+        parts.append(f"loss {s['loss']:.4f}")
+    if s["tokens_per_s"]:
+        parts.append(f"{s['tokens_per_s']:,.0f} tok/s")
+    parts.append(f"spend {_money(s['cost'])}" + (f" of {_money(s['budget'])}" if s["budget"] else ""))
+    parts.append(f"attempt {s['attempt'] or '-'} ({s['attempts']} this run)")
+    return " | ".join(parts)
+
+
+class PlainView:
+    """Plain lines for logs and pipes."""
+
+    def __init__(self, store: StateStore, name: str, out: TextIO | None = None, every_s: float = 10.0) -> None:
+        self.store, self.name = store, name
+        self.out = out or sys.stdout
+        self.every_s = every_s
+        self._last_line = 0.0
+        self._last_step: Any = None
+
+    def __enter__(self) -> "PlainView":
+        return self
+
+    def __exit__(self, *a: Any) -> None:
+        pass
+
+    def line(self, text: str) -> None:
+        self.out.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+        self.out.flush()
+
+    def event(self, type_: str, message: str) -> None:
+        self.line(f"[{type_}] {message}")
+
+    def update(self, ctl: Any = None) -> None:
+        now = time.monotonic()
+        s = snapshot(self.store, self.name)
+        if s["step"] != self._last_step and now - self._last_line >= self.every_s:
+            self._last_line, self._last_step = now, s["step"]
+            self.line(progress_line(s))
+
+
+class RichView:
+    """The live terminal view."""
+
+    def __init__(self, store: StateStore, name: str, console: Any = None) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.store, self.name = store, name
+        self.console = console or Console()
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("steps · ETA"), TimeRemainingColumn(), console=self.console)
+        self.task = self.progress.add_task(name, total=None)
+        self.events: list[str] = []
+        self.live: Any = None
+
+    def _render(self) -> Any:
+        from rich.console import Group
+        from rich.text import Text
+
+        s = snapshot(self.store, self.name)
+        if s["steps"]:
+            self.progress.update(self.task, total=s["steps"], completed=s["step"] or 0)
+        head = Text.assemble((f"{self.name} ", "bold"), (s["state"] or "", "cyan"),
+                             (f"  {s['reason']}" if s["reason"] else "", "dim"))
+        metrics = Text(f"loss {s['loss']:.4f}" if s["loss"] is not None else "loss —")
+        metrics.append(f"   {s['tokens_per_s']:,.0f} tok/s" if s["tokens_per_s"] else "   — tok/s")
+        spend = f"   spend {_money(s['cost'])}" + (f" / {_money(s['budget'])}" if s["budget"] else " (no budget cap)")
+        metrics.append(spend, style="yellow" if s["budget"] and s["cost"] > 0.8 * s["budget"] else None)
+        metrics.append(f"   attempts {s['attempts']}   last committed step {s['committed'] if s['committed'] is not None else '—'}")
+        if s["steps_lost"]:
+            metrics.append(f"   steps lost {s['steps_lost']}")
+        ev = Text("\n".join(self.events[-5:]), style="dim")
+        return Group(head, self.progress, metrics, ev)
+
+    def __enter__(self) -> "RichView":
+        from rich.live import Live
+
+        self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *a: Any) -> None:
+        if self.live is not None:
+            self.live.update(self._render())
+            self.live.__exit__(*a)
+            self.live = None
+
+    def line(self, text: str) -> None:
+        self.console.print(text)
+
+    def event(self, type_: str, message: str) -> None:
+        self.events.append(f"{time.strftime('%H:%M:%S')} [{type_}] {message.splitlines()[0] if message else ''}")
+        if self.live is not None:
+            self.live.update(self._render())
+
+    def update(self, ctl: Any = None) -> None:
+        if self.live is not None:
+            self.live.update(self._render())
+
+
+def make_view(store: StateStore, name: str, tty: bool | None = None) -> PlainView | RichView:
+    if tty is None:
+        tty = sys.stdout.isatty()
+    return RichView(store, name) if tty else PlainView(store, name)

@@ -1,0 +1,425 @@
+"""``dtrun up`` (the real run), ``status``, ``ls``, ``logs``, ``down``.
+
+Exit codes are orchestrator.errors': 0 done/succeeded, 1 the job ended badly, 2 bad input or a
+question that cannot be asked (no terminal and no ``--yes``), 3 over budget, 4 no offer,
+6 no such job, 130 interrupted with nothing left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_INVALID,
+    EXIT_JOB_FAILED,
+    EXIT_OK,
+    NotFoundError,
+)
+from orchestrator.state import TERMINAL_STATES, StateStore, dtrun_home
+
+
+def _err(msg: str) -> None:
+    sys.stderr.write(f"dtrun: {msg}\n")
+    sys.stderr.flush()
+
+
+def _tty_in() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (ValueError, OSError):
+        return False
+
+
+def _tty_out() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (ValueError, OSError):
+        return False
+
+
+def _ask(prompt: str) -> str:
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    line = sys.stdin.readline()
+    return line.strip().lower()
+
+
+def _fmt_wall(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+# ---- status --------------------------------------------------------------------------------------
+
+def job_status(store: StateStore, job: dict) -> dict[str, Any]:
+    """The JSON object ``dtrun status JOB --json`` prints (also for finished jobs)."""
+    name = job["name"]
+    atts = store.attempts(name)
+    first = job["session_first_attempt"] or 1
+    session = [a for a in atts if a["n"] >= first]
+    last = atts[-1]["n"] if atts else None
+    nodes = []
+    for nd in store.nodes(name):
+        if nd["terminated_at"] is not None and nd["attempt"] != last:
+            continue
+        data = nd["handle"].get("data") or {}
+        row = {"provider": nd["provider"], "name": nd["name"], "instance_id": nd["instance_id"],
+               "region": nd["region"], "attempt": nd["attempt"],
+               "state": "TERMINATED" if nd["terminated_at"] is not None else nd["state"],
+               "terminated_at": nd["terminated_at"]}
+        if nd["provider"] == "local":
+            row["pid"] = data.get("pid")
+            row["pgid"] = data.get("pgid")
+        nodes.append(row)
+    alive = StateStore.controller_alive(job)
+    est = json.loads(job["estimate_json"]) if job.get("estimate_json") else None
+    start = job["started_at"]
+    end = job["finished_at"] if job["state"] in TERMINAL_STATES else time.time()
+    return {
+        "name": name, "state": job["state"], "reason": job["reason"], "step": job["step"],
+        "steps": job["steps"], "loss": job["loss"], "tokens_per_s": job["tokens_per_s"],
+        "last_committed_step": job["last_committed_step"], "steps_lost": job["steps_lost"] or 0,
+        "cost_usd": round(store.spend_total(name), 6), "budget_usd": job["budget_usd"],
+        "estimate_usd": est.get("cost_usd") if isinstance(est, dict) else None,
+        "attempts": len(session), "attempts_total": len(atts), "attempt": last,
+        "nodes": nodes, "controller_pid": job["controller_pid"] if alive else None,
+        "run_uri": job["run_uri"], "started_at": start, "finished_at": job["finished_at"],
+        "wall_s": (end - start) if (start and end) else None,
+    }
+
+
+def cmd_status(job: str | None, json_out: bool) -> int:
+    store = StateStore()
+    if job is not None:
+        row = store.get_job(job)
+        if row is None:
+            raise NotFoundError(f"no job named {job!r} (see `dtrun ls`)")
+        st = job_status(store, row)
+        if json_out:
+            sys.stdout.write(json.dumps(st) + "\n")
+            return EXIT_OK
+        _print_status(st)
+        return EXIT_OK
+    rows = [job_status(store, r) for r in store.list_jobs()]
+    if json_out:
+        sys.stdout.write(json.dumps({"jobs": rows}) + "\n")
+        return EXIT_OK
+    if not rows:
+        print("no jobs yet (start one with `dtrun up job.yaml`)")
+    for st in rows:
+        _print_status(st)
+    return EXIT_OK
+
+
+def _print_status(st: dict[str, Any]) -> None:
+    step = f"{st['step'] if st['step'] is not None else 0}/{st['steps'] or '?'}"
+    print(f"{st['name']}: {st['state']}" + (f" ({st['reason'].splitlines()[0]})" if st["reason"] else ""))
+    print(f"  step {step}  loss {st['loss'] if st['loss'] is not None else '—'}  "
+          f"cost ${st['cost_usd']:.4f}" + (f" of ${st['budget_usd']:.2f}" if st["budget_usd"] else "")
+          + f"  attempts {st['attempts']}  steps lost {st['steps_lost']}")
+    if st["controller_pid"]:
+        print(f"  controller pid {st['controller_pid']}")
+    for n in st["nodes"]:
+        extra = f" pid {n['pid']} pgid {n['pgid']}" if n.get("pid") else ""
+        print(f"  node {n['name']} [{n['provider']} {n['instance_id']}] {n['state']}{extra}")
+    print(f"  run URI {st['run_uri']}")
+
+
+def cmd_ls(json_out: bool) -> int:
+    store = StateStore()
+    rows = [job_status(store, r) for r in store.list_jobs()]
+    if json_out:
+        sys.stdout.write(json.dumps({"jobs": rows}) + "\n")
+        return EXIT_OK
+    if not rows:
+        print("no jobs yet (start one with `dtrun up job.yaml`)")
+        return EXIT_OK
+    print(f"{'NAME':<24} {'STATE':<13} {'STEP':>13} {'COST':>10} {'ATTEMPTS':>8}  CONTROLLER")
+    for st in rows:
+        step = f"{st['step'] if st['step'] is not None else 0}/{st['steps'] or '?'}"
+        print(f"{st['name']:<24} {st['state']:<13} {step:>13} {'$' + format(st['cost_usd'], '.4f'):>10} "
+              f"{st['attempts']:>8}  {st['controller_pid'] or '-'}")
+    return EXIT_OK
+
+
+# ---- logs ----------------------------------------------------------------------------------------
+
+def cmd_logs(job: str, follow: bool) -> int:
+    store = StateStore()
+    if store.get_job(job) is None:
+        raise NotFoundError(f"no job named {job!r} (see `dtrun ls`)")
+    last_id = 0
+    cur_log: str | None = None
+    pos = 0
+
+    def drain(logs: bool = True) -> None:
+        nonlocal last_id, cur_log, pos
+        for e in store.events(job, after_id=last_id):
+            last_id = e["id"]
+            stamp = time.strftime("%H:%M:%S", time.localtime(e["time"]))
+            sys.stdout.write(f"{stamp} [{e['type']}] {e['message']}\n")
+        if not logs:
+            sys.stdout.flush()
+            return
+        atts = store.attempts(job)
+        lp = atts[-1]["log_path"] if atts else None
+        if lp and lp != cur_log:
+            cur_log, pos = lp, 0
+            sys.stdout.write(f"--- attempt {atts[-1]['n']} log: {lp} ---\n")
+        if cur_log and os.path.exists(cur_log):
+            with open(cur_log, "rb") as f:
+                f.seek(pos)
+                data = f.read()
+                pos += len(data)
+            sys.stdout.write(data.decode(errors="replace"))
+        sys.stdout.flush()
+
+    if not follow:
+        # every attempt's log, then the events
+        for a in store.attempts(job):
+            if a["log_path"] and os.path.exists(a["log_path"]):
+                sys.stdout.write(f"--- attempt {a['n']} log: {a['log_path']} ---\n")
+                sys.stdout.write(Path(a["log_path"]).read_text(errors="replace"))
+        sys.stdout.write("--- controller events ---\n")
+        drain(logs=False)
+        return EXIT_OK
+    try:
+        while True:
+            drain()
+            row = store.get_job(job)
+            if row and row["state"] in TERMINAL_STATES and not StateStore.controller_alive(row):
+                drain()
+                return EXIT_OK
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+# ---- down ----------------------------------------------------------------------------------------
+
+def cmd_down(job: str, now: bool) -> int:
+    store = StateStore()
+    row = store.get_job(job)
+    if row is None:
+        raise NotFoundError(f"no job named {job!r} (see `dtrun ls`)")
+    if row["state"] in TERMINAL_STATES and not store.nodes(job, live_only=True):
+        print(f"{job} is already {row['state']}; nothing is running")
+        return EXIT_OK
+    store.request_action(job, "stop_now" if now else "stop")
+    what = "terminating now" if now else "asking the trainer to checkpoint and stop"
+    if StateStore.controller_alive(row):
+        print(f"{job}: {what} (controller pid {row['controller_pid']})")
+        return _wait_terminal(store, job)
+    print(f"{job}: no controller is running; {what} here")
+    from orchestrator.controller import Controller
+    from orchestrator.controller_main import load_stored_spec
+    from orchestrator.live import PlainView
+
+    spec, _ = load_stored_spec(store, job)
+    view = PlainView(store, job)
+    ctl = Controller(spec, store, on_event=view.event)
+    if row["state"] in TERMINAL_STATES:
+        # finished, but a node is still recorded alive: terminate it (confirmed)
+        while not ctl._terminate_nodes():
+            time.sleep(1)
+        print(f"{job}: every node terminated (confirmed)")
+        return EXIT_OK
+    state = ctl.run()
+    print(f"{job}: {state}")
+    return EXIT_OK
+
+
+def _wait_terminal(store: StateStore, job: str) -> int:
+    last = None
+    try:
+        while True:
+            row = store.get_job(job)
+            assert row is not None
+            if row["state"] != last:
+                last = row["state"]
+                print(f"  {last}" + (f": {row['reason'].splitlines()[0]}" if row["reason"] else ""))
+            if row["state"] in TERMINAL_STATES:
+                return EXIT_OK
+            if not StateStore.controller_alive(row):
+                _err("the controller exited before the job stopped; run `dtrun down` again")
+                return EXIT_JOB_FAILED
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print(f"stopped waiting; the controller keeps stopping {job} (see `dtrun status {job}`)")
+        return EXIT_INTERRUPTED
+
+
+# ---- up ------------------------------------------------------------------------------------------
+
+def spawn_detached(store: StateStore, name: str, args: list[str]) -> int:
+    """Start ``python -m orchestrator.controller_main ARGS`` in its own session; its pid once it
+    has claimed the job (or raise with its log's tail if it died first)."""
+    logdir = dtrun_home() / "logs" / name
+    logdir.mkdir(parents=True, exist_ok=True)
+    log = logdir / "controller.log"
+    env = dict(os.environ, DTRUN_CONTROLLER_LOG=str(log))
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.controller_main", *args],
+                                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env, cwd=os.getcwd())
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        row = store.get_job(name)
+        if row and row["controller_pid"] == proc.pid:
+            return proc.pid
+        rc = proc.poll()
+        if rc is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-10:])
+            from orchestrator.errors import DtrunError
+
+            err = DtrunError(f"the detached controller exited ({rc}) before starting:\n{tail}")
+            err.exit_code = rc if rc in (2, 3, 4, 5, 6) else EXIT_JOB_FAILED
+            raise err
+        time.sleep(0.1)
+    return proc.pid
+
+
+def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = False, strict: bool = False) -> int:
+    from orchestrator.dryrun import plan_report, print_plan, verdict_exit_code
+    from orchestrator.estimate import make_plan
+    from orchestrator.spec import load_spec
+
+    spec = load_spec(job)
+    plan = make_plan(spec)
+    report = plan_report(spec, plan)
+    code = verdict_exit_code(spec, plan, report, strict)
+    out = sys.stderr if json_out else sys.stdout
+    if not json_out:
+        print_plan(spec, plan, report)
+    if code != EXIT_OK:
+        if plan.chosen is None:
+            _err("no offer fits: " + ("; ".join(plan.refusals) or "no provider offers this GPU") + "; nothing rented")
+        elif code == EXIT_INVALID:
+            _err(f"--strict: {len(report.get('traps', []))} known trap(s); nothing rented")
+        else:
+            _err("the estimate is over budget.max_usd; nothing rented")
+        return code
+
+    store = StateStore()
+    existing = store.get_job(spec.name)
+    if existing and StateStore.controller_alive(existing):
+        _err(f"{spec.name} is already running under controller pid {existing['controller_pid']}; "
+             f"see `dtrun status {spec.name}`, `dtrun logs {spec.name} -f`, or stop it with `dtrun down {spec.name}`")
+        return EXIT_INVALID
+    from orchestrator import runuri
+
+    continuing = existing is not None and existing["state"] not in TERMINAL_STATES
+    if not continuing and runuri.exists(runuri.join(spec.run_uri, runuri.DONE)):
+        print(f"{spec.name} already finished: {spec.run_uri} has DONE (remove it to train again); nothing rented",
+              file=out)
+        if json_out:
+            st = job_status(store, existing) if existing else {"name": spec.name, "state": "SUCCEEDED"}
+            sys.stdout.write(json.dumps(st) + "\n")
+        return EXIT_OK
+    if continuing:
+        live = store.nodes(spec.name, live_only=True)
+        print(f"continuing {spec.name} ({existing['state']}, step {existing['step'] or 0}): "
+              f"re-attaching to {len(live)} live node(s); new attempts resume from the newest checkpoint", file=out)
+    else:
+        lc = runuri.latest_committed(spec.run_uri)
+        if lc:
+            print(f"{spec.run_uri} has a checkpoint at step {lc[0]}: the trainer resumes from it", file=out)
+
+    if not yes:
+        if not _tty_in():
+            _err("refusing to rent without confirmation: there is no terminal to ask on; "
+                 "pass --yes to start without asking")
+            return EXIT_INVALID
+        ans = _ask(f"Start {spec.name} on {plan.chosen.key()}? [y/N] ")
+        if ans not in ("y", "yes"):
+            print("not started; nothing rented")
+            return EXIT_INTERRUPTED
+
+    if detach:
+        pid = spawn_detached(store, spec.name, ["--spec", str(Path(job).resolve())])
+        msg = (f"{spec.name}: controller running in the background (pid {pid}); "
+               f"log {dtrun_home() / 'logs' / spec.name / 'controller.log'}\n"
+               f"  dtrun status {spec.name}   dtrun logs {spec.name} -f   dtrun down {spec.name}")
+        print(msg, file=out)
+        if json_out:
+            row = store.get_job(spec.name)
+            sys.stdout.write(json.dumps(job_status(store, row) if row else {"name": spec.name}) + "\n")
+        return EXIT_OK
+    return _foreground(spec, plan, store, str(Path(job).resolve()), json_out)
+
+
+def _foreground(spec, plan, store: StateStore, spec_path: str, json_out: bool) -> int:
+    from orchestrator.controller import Controller
+    from orchestrator.live import PlainView, RichView
+
+    tty = _tty_out() and not json_out
+    view = RichView(store, spec.name) if tty else PlainView(store, spec.name, out=sys.stderr if json_out else None)
+    ctl = Controller(spec, store, plan=plan, spec_path=spec_path, on_event=view.event)
+    flag = {"n": 0}
+
+    def _sigint(signum, frame):
+        flag["n"] += 1
+
+    old = signal.signal(signal.SIGINT, _sigint)
+    old_term = signal.signal(signal.SIGTERM, _sigint)
+    try:
+        with view:
+            state = ctl.run(should_pause=lambda: flag["n"] > 0, on_tick=view.update)
+        while state == "INTERRUPTED":
+            choice = "t"
+            if _tty_in() and not json_out:
+                flag["n"] = 0
+                signal.signal(signal.SIGINT, old)
+                try:
+                    choice = _ask("\nInterrupted. [d]etach (keep running in the background), "
+                                  "[t]ear down (checkpoint, then terminate), [n]ow (terminate at once), "
+                                  "[c]ontinue? ") or "t"
+                except KeyboardInterrupt:
+                    choice = "n"
+                signal.signal(signal.SIGINT, _sigint)
+            else:
+                view.line("interrupted without a terminal: tearing down gracefully "
+                          "(checkpoint, then terminate; interrupt again to terminate at once)")
+            flag["n"] = 0
+            if choice.startswith("d"):
+                pid = spawn_detached(store, spec.name, ["--job", spec.name])
+                print(f"{spec.name}: detached; controller pid {pid}. "
+                      f"dtrun status {spec.name} / dtrun logs {spec.name} -f / dtrun down {spec.name}")
+                return EXIT_OK
+            if choice.startswith("t") or choice.startswith("n"):
+                store.request_action(spec.name, "stop_now" if choice.startswith("n") else "stop")
+
+            def pause() -> bool:
+                if flag["n"] > 0:
+                    store.request_action(spec.name, "stop_now")
+                    flag["n"] = 0
+                return False
+
+            with view:
+                state = ctl.run(should_pause=pause if not choice.startswith("c") else (lambda: flag["n"] > 0),
+                                on_tick=view.update)
+    finally:
+        signal.signal(signal.SIGINT, old)
+        signal.signal(signal.SIGTERM, old_term)
+        if ctl.started and ctl.state not in TERMINAL_STATES:
+            store.release_controller(spec.name)
+    s = ctl.summary()
+    job = store.get_job(spec.name) or {}
+    summary = (f"{state}: wall {_fmt_wall(s['wall_s'])}, cost ${s['cost_usd']:.4f}, {s['attempts']} attempt(s), "
+               f"{s['steps_lost']} steps lost to preemptions, step {s['step']}/{s['steps']}")
+    if json_out:
+        sys.stdout.write(json.dumps(job_status(store, job)) + "\n")
+        sys.stderr.write(summary + "\n")
+    else:
+        print(summary)
+        if state != "SUCCEEDED" and job.get("reason"):
+            print(f"reason: {job['reason']}")
+    return EXIT_OK if state == "SUCCEEDED" else EXIT_JOB_FAILED
