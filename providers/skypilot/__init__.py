@@ -1,0 +1,398 @@
+"""RunPod, Lambda and Vast through SkyPilot (0.14.1).
+
+One attempt = one SkyPilot cluster named ``request.instance_name`` (``dtrun-<job>-a<N>``):
+
+* **Task** (:func:`build_task_config`): ``setup`` installs the project (synced as ``workdir``),
+  ``run`` is the node bootstrap (it echoes ``DTRUN_EXIT_CODE=<rc>`` as its last line so a FAILED
+  job can still be told apart from a clean "resume me" exit 75/76), ``envs`` = the request's env
+  plus ``DTRUN_DEADLINE``, ``resources = {accelerators: "H100:8", use_spot, infra:
+  "<cloud>[/<region>]"}``, ``num_nodes``. Every generated task is validated with SkyPilot's own
+  ``sky.Task.from_yaml_config`` (``dtrun export --skypilot`` prints the same dict).
+* **Launch**: ``sky.launch(..., down=True, idle_minutes_to_autostop=N)`` — the cluster removes
+  itself N minutes after its job ends, with or without a controller; the node bootstrap's
+  watchdog enforces the hard deadline and the budget (SkyPilot has no provider-side timeout).
+  ``launch`` blocks until SkyPilot has submitted the job (provisioning takes minutes).
+* **Poll**: ``sky.status(refresh)`` then the job queue. Cluster UP → the job's status (PENDING /
+  RUNNING / SUCCEEDED / FAILED, with exit 75/76 → PREEMPTED); cluster gone, STOPPED, or back in
+  INIT after it was up → PREEMPTED, unless dtrun took it down (TERMINATED) or its job had
+  already ended (that outcome: ``down=True`` removes clusters after their job). The last job
+  status seen is remembered in ``$DTRUN_HOME/skypilot/clusters.json`` for other processes.
+* **Terminate**: ``sky.down``; a cluster that does not exist is fine; confirmed by status.
+* **list_owned**: clusters of this cloud whose name starts with the prefix.
+
+Every SDK call goes through :class:`providers.skypilot.api.SkyAPI` (tests pass a recorded fake).
+Credentials are checked from each cloud's standard place before anything is rented; the
+message names what to set and never contains a secret.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from providers import errors as perr
+from providers._jsonstore import dtrun_home, locked_json
+from providers.base import (
+    NAME_PREFIX,
+    Capabilities,
+    Capability,
+    Handle,
+    LaunchRequest,
+    NodeState,
+    Offer,
+    OwnedInstance,
+    Provider,
+    Requirements,
+)
+from providers.skypilot.api import ClusterRecord, JobRecord, SkyAPI
+
+PREEMPT_EXIT_CODES = (75, 76)
+DEFAULT_IDLE_MINUTES = 3
+EXIT_MARKER = "DTRUN_EXIT_CODE="
+_EXIT_RE = re.compile(r"DTRUN_EXIT_CODE=(-?\d+)")
+
+# dtrun GPU name -> SkyPilot accelerator name (identical today; kept explicit).
+SKY_ACCELERATORS = {
+    "H100": "H100", "H200": "H200", "GH200": "GH200", "B200": "B200", "A100-80GB": "A100-80GB",
+    "A100": "A100", "L40S": "L40S", "L4": "L4", "A10": "A10", "RTX4090": "RTX4090", "T4": "T4",
+}
+
+
+@dataclass(frozen=True)
+class CloudInfo:
+    name: str
+    sky_name: str
+    capabilities: Capabilities
+    credential_env: tuple[str, ...]
+    credential_files: tuple[str, ...]
+    how: str
+    """What to set, for the error message."""
+
+
+CLOUDS: dict[str, CloudInfo] = {
+    "runpod": CloudInfo(
+        "runpod", "runpod",
+        Capabilities(
+            spot=Capability(True, "interruptible pods (RunPod dropped spot from its docs in May 2026: may not be sold)"),
+            multi_node=Capability(False, "SkyPilot: multi-node is not supported on RunPod (no interconnect between pods)"),
+            max_gpus_per_node=8,
+        ),
+        ("RUNPOD_API_KEY",), ("~/.runpod/config.toml",),
+        "set RUNPOD_API_KEY or write api_key to ~/.runpod/config.toml (`runpod config`)",
+    ),
+    "lambda": CloudInfo(
+        "lambda", "lambda",
+        Capabilities(
+            spot=Capability(False, "Lambda sells no spot/interruptible capacity"),
+            multi_node=Capability(True),
+            max_gpus_per_node=8,
+        ),
+        (), ("~/.lambda_cloud/lambda_keys",),
+        "write `api_key = <key>` to ~/.lambda_cloud/lambda_keys",
+    ),
+    "vast": CloudInfo(
+        "vast", "vast",
+        Capabilities(
+            spot=Capability(True, "interruptible bids: outbid → stopped with no notice"),
+            multi_node=Capability(False, "SkyPilot: multi-node is not supported on Vast"),
+            max_gpus_per_node=8,
+        ),
+        ("VAST_API_KEY",), ("~/.config/vastai/vast_api_key",),
+        "set VAST_API_KEY or write the key to ~/.config/vastai/vast_api_key (`vastai set api-key`)",
+    ),
+}
+
+
+# ---- the task ------------------------------------------------------------------------------------
+
+def run_script(command: list[str]) -> str:
+    """The task's run: the node bootstrap, then its exit code on the last line of the job log."""
+    return (f"{shlex.join(command)}\n"
+            f"rc=$?\n"
+            f'echo "{EXIT_MARKER}$rc"\n'
+            f"exit $rc\n")
+
+
+SETUP = "python -m pip install -q --upgrade pip && python -m pip install -q -e ."
+
+
+def build_task_config(cloud: str, request: LaunchRequest) -> dict[str, Any]:
+    """The SkyPilot task dict for one attempt (what ``sky launch`` would read from YAML)."""
+    offer = request.offer
+    accel = SKY_ACCELERATORS.get(offer.gpu, offer.gpu)
+    infra = CLOUDS[cloud].sky_name
+    if offer.region and offer.region not in ("any", ""):
+        infra = f"{infra}/{offer.region}"
+    envs = {k: str(v) for k, v in request.env.items()}
+    if request.deadline is not None:
+        envs.setdefault("DTRUN_DEADLINE", str(int(request.deadline)))
+    envs.setdefault("DTRUN_JOB", request.job)
+    envs.setdefault("DTRUN_ATTEMPT", str(request.attempt))
+    envs.setdefault("DTRUN_NNODES", str(request.nodes))
+    cfg: dict[str, Any] = {
+        "name": request.instance_name,
+        "resources": {"accelerators": f"{accel}:{offer.gpus_per_node}", "use_spot": bool(offer.spot),
+                      "infra": infra},
+        "num_nodes": request.nodes,
+        "envs": envs,
+        "run": run_script(request.command),
+    }
+    if request.workdir:
+        cfg["workdir"] = request.workdir
+        cfg["setup"] = SETUP
+    return cfg
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+_AUTH = {"InvalidCloudCredentials", "CloudUserIdentityError", "NoCloudAccessError",
+         "ApiServerAuthenticationError", "PermissionDeniedError", "NoWorkspaceAccessError",
+         "ClusterOwnerIdentityMismatchError", "InvalidCloudConfigs"}
+_TRANSIENT = {"ApiServerConnectionError", "ServerTemporarilyUnavailableError", "NetworkError",
+              "RequestInterruptedError", "ConcurrentWorkerExhaustedError", "ClusterStatusFetchingError",
+              "FetchClusterInfoError", "ConnectionError", "Timeout", "ReadTimeout", "ConnectTimeout",
+              "TimeoutError", "RequestCancelled", "ExecutionRetryableError", "SkyletUnavailableError"}
+_UNSUPPORTED = {"NotSupportedError", "ProvisionUnsupportedError", "ResourcesMismatchError",
+                "APINotSupportedError", "InvalidClusterNameError", "UserRequestRejectedByPolicy"}
+_QUOTA_RE = re.compile(r"quota|limit exceeded|insufficient (funds|balance|credit)|spend(ing)? limit|balance",
+                       re.I)
+_AUTH_RE = re.compile(r"credential|unauthori[sz]ed|forbidden|api key|\b401\b|\b403\b", re.I)
+
+
+def _names(e: BaseException) -> set[str]:
+    return {c.__name__ for c in type(e).__mro__}
+
+
+def map_sky_error(e: BaseException, provider: str) -> perr.ProviderError:
+    """SkyPilot's exception → dtrun's provider error (by class name: no sky import needed)."""
+    if isinstance(e, perr.ProviderError):
+        return e
+    names = _names(e)
+    msg = f"{provider} (SkyPilot): {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    if "ResourcesUnavailableError" in names:
+        if _QUOTA_RE.search(str(e)):
+            return perr.QuotaExceeded(msg, provider=provider)
+        return perr.NoCapacity(msg, provider=provider)
+    if names & _AUTH:
+        return perr.AuthError(msg, provider=provider)
+    if "ProvisionPrechecksError" in names:
+        reasons = getattr(e, "reasons", []) or []
+        if any(_names(r) & _AUTH or _AUTH_RE.search(str(r)) for r in reasons):
+            return perr.AuthError(msg, provider=provider)
+        return perr.NotSupported(msg, provider=provider)
+    if names & _TRANSIENT:
+        return perr.Transient(msg, provider=provider)
+    if names & _UNSUPPORTED:
+        return perr.NotSupported(msg, provider=provider)
+    if _QUOTA_RE.search(str(e)):
+        return perr.QuotaExceeded(msg, provider=provider)
+    return perr.ProviderError(msg, provider=provider)
+
+
+def _is(e: BaseException, name: str) -> bool:
+    return name in _names(e)
+
+
+# ---- the provider --------------------------------------------------------------------------------
+
+_JOB_STATE = {
+    "INIT": NodeState.PENDING, "PENDING": NodeState.PENDING, "SETTING_UP": NodeState.PENDING,
+    "RUNNING": NodeState.RUNNING, "SUCCEEDED": NodeState.SUCCEEDED,
+    "FAILED": NodeState.FAILED, "FAILED_SETUP": NodeState.FAILED, "FAILED_DRIVER": NodeState.FAILED,
+    "CANCELLED": NodeState.TERMINATED,
+}
+
+
+class SkyPilotProvider(Provider):
+    """One SkyPilot cloud (runpod, lambda or vast) as a dtrun provider."""
+
+    def __init__(self, cloud: str, api: SkyAPI | None = None, *, idle_minutes: int = DEFAULT_IDLE_MINUTES,
+                 home: str | os.PathLike[str] | None = None) -> None:
+        if cloud not in CLOUDS:
+            raise ValueError(f"unknown SkyPilot cloud {cloud!r}; known: {', '.join(CLOUDS)}")
+        self.cloud = cloud
+        self.name = cloud
+        self.info = CLOUDS[cloud]
+        self.api = api if api is not None else SkyAPI()
+        self.idle_minutes = idle_minutes
+        self._home = Path(home) if home is not None else None
+
+    # ---- remembered cluster facts (other processes see them too) ---------------------------------
+    @property
+    def _memo_path(self) -> Path:
+        return (self._home or dtrun_home()) / "skypilot" / "clusters.json"
+
+    def _memo(self, cluster: str, **update: Any) -> dict[str, Any]:
+        with locked_json(self._memo_path) as data:
+            rec = data.setdefault(cluster, {})
+            rec.update(update)
+            return dict(rec)
+
+    # ---- interface ---------------------------------------------------------------------------------
+    def capabilities(self) -> Capabilities:
+        return self.info.capabilities
+
+    def check_credentials(self) -> None:
+        info = self.info
+        if any(os.environ.get(v) for v in info.credential_env):
+            return
+        if any(Path(f).expanduser().is_file() for f in info.credential_files):
+            return
+        raise perr.AuthError(f"no {info.name} credentials: {info.how}", provider=info.name)
+
+    def offers(self, req: Requirements) -> list[Offer]:
+        if self.refuse(req) is not None:
+            return []
+        from orchestrator.pricing import catalog_offers
+
+        spot_ok = self.info.capabilities.spot.supported
+        return [o for o in catalog_offers(self.cloud, req)
+                if o.provider == self.cloud and (spot_ok or not o.spot)
+                and (not req.regions or o.region in req.regions or o.region == "any")
+                and (req.max_price_per_gpu_hour is None or o.price_per_gpu_hour <= req.max_price_per_gpu_hour)]
+
+    def task_config(self, request: LaunchRequest) -> dict[str, Any]:
+        """The validated task dict for ``request`` (raises NotSupported if SkyPilot rejects it)."""
+        from providers.skypilot.api import task_from_config
+
+        cfg = build_task_config(self.cloud, request)
+        try:
+            task_from_config(cfg)
+        except Exception as e:  # SkyPilot's validation raises ValueError/SchemaError subclasses
+            raise perr.NotSupported(f"{self.cloud}: SkyPilot rejected the task: {e}", provider=self.cloud) from None
+        return cfg
+
+    def launch(self, request: LaunchRequest) -> Handle:
+        offer = request.offer
+        req = Requirements(gpu=offer.gpu, gpus_per_node=offer.gpus_per_node, nodes=request.nodes,
+                           spot=offer.spot)
+        reason = self.refuse(req)
+        if reason:
+            raise perr.NotSupported(reason, provider=self.cloud)
+        self.check_credentials()
+        cfg = self.task_config(request)
+        cluster = request.instance_name
+        self._memo(cluster, cloud=self.cloud, job_state=None, terminated=False, ever_up=False)
+        try:
+            job_id = self.api.launch(cfg, cluster, self.idle_minutes)
+        except Exception as e:
+            raise map_sky_error(e, self.cloud) from None
+        self._memo(cluster, job_id=job_id, ever_up=True)
+        return Handle(provider=self.cloud, name=cluster, instance_id=cluster, region=offer.region,
+                      launched_at=time.time(), data={"cluster": cluster, "job_id": job_id, "cloud": self.cloud})
+
+    def poll(self, handle: Handle) -> NodeState:
+        cluster = handle.data.get("cluster", handle.instance_id)
+        try:
+            recs = [r for r in self.api.status([cluster], refresh=True) if r.name == cluster]
+        except Exception as e:
+            if _is(e, "ClusterDoesNotExist"):
+                recs = []
+            else:
+                raise map_sky_error(e, self.cloud) from None
+        memo = self._memo(cluster)
+        if not recs:
+            return self._gone_state(memo)
+        rec = recs[0]
+        if rec.status == "UP":
+            self._memo(cluster, ever_up=True)
+            return self._job_state(cluster, handle.data.get("job_id"), memo)
+        if rec.status == "INIT" and not (rec.ever_up or memo.get("ever_up")):
+            return NodeState.PENDING
+        if memo.get("terminated"):
+            return NodeState.TERMINATED
+        # STOPPED, or INIT after being up (a node was lost): preempted, unless the job had ended.
+        return self._gone_state(memo)
+
+    def _gone_state(self, memo: dict[str, Any]) -> NodeState:
+        done = memo.get("job_state")
+        if done in (NodeState.SUCCEEDED.value, NodeState.FAILED.value, NodeState.PREEMPTED.value):
+            return NodeState(done)
+        if memo.get("terminated"):
+            return NodeState.TERMINATED
+        return NodeState.PREEMPTED
+
+    def _job_state(self, cluster: str, job_id: int | None, memo: dict[str, Any]) -> NodeState:
+        try:
+            jobs = self.api.queue(cluster)
+        except Exception as e:
+            if _is(e, "ClusterDoesNotExist") or _is(e, "ClusterNotUpError"):
+                return self._gone_state(memo)
+            raise map_sky_error(e, self.cloud) from None
+        mine = [j for j in jobs if job_id is None or j.job_id == job_id]
+        if not mine:
+            return NodeState.PENDING
+        job = max(mine, key=lambda j: j.job_id)
+        state = _JOB_STATE.get(job.status, NodeState.PENDING)
+        if state is NodeState.FAILED:
+            code = self._exit_code(cluster, job.job_id)
+            if code in PREEMPT_EXIT_CODES:
+                state = NodeState.PREEMPTED
+        if memo.get("terminated") and not state.is_terminal:
+            state = NodeState.TERMINATED
+        if state.is_terminal:
+            self._memo(cluster, job_state=state.value)
+        return state
+
+    def _exit_code(self, cluster: str, job_id: int | None) -> int | None:
+        try:
+            text = self.api.tail(cluster, job_id, 50)
+        except Exception:  # logs are a hint only; the cluster may be going away
+            return None
+        codes = _EXIT_RE.findall(text or "")
+        return int(codes[-1]) if codes else None
+
+    def terminate(self, handle: Handle) -> None:
+        cluster = handle.data.get("cluster", handle.instance_id)
+        self._memo(cluster, terminated=True)
+        try:
+            self.api.down(cluster)
+        except Exception as e:
+            if _is(e, "ClusterDoesNotExist"):
+                return  # already gone: not an error
+            err = map_sky_error(e, self.cloud)
+            if type(err) is perr.ProviderError:  # e.g. RuntimeError "failed to tear down": try again
+                raise perr.TerminateNotConfirmed(str(err), provider=self.cloud) from None
+            raise err from None
+        try:
+            still = [r for r in self.api.status([cluster], refresh=False) if r.name == cluster]
+        except Exception as e:
+            if _is(e, "ClusterDoesNotExist"):
+                return
+            raise map_sky_error(e, self.cloud) from None
+        if still:
+            raise perr.TerminateNotConfirmed(f"{cluster}: sky.down returned but the cluster is still "
+                                             f"listed ({still[0].status})", provider=self.cloud)
+
+    def list_owned(self, prefix: str = NAME_PREFIX) -> list[OwnedInstance]:
+        try:
+            recs = self.api.status(None, refresh=True)
+        except Exception as e:
+            raise map_sky_error(e, self.cloud) from None
+        out = []
+        for r in recs:
+            if not r.name.startswith(prefix) or (r.cloud and r.cloud != self.cloud):
+                continue
+            if not r.cloud:  # unknown cloud: ours only if we launched it from here
+                with locked_json(self._memo_path) as data:
+                    if data.get(r.name, {}).get("cloud") != self.cloud:
+                        continue
+            state = {"UP": NodeState.RUNNING, "INIT": NodeState.PENDING}.get(r.status, NodeState.PREEMPTED)
+            out.append(OwnedInstance(r.name, r.name, state, "", r.launched_at))
+        return out
+
+    def logs(self, handle: Handle, tail: int = 200) -> str:
+        cluster = handle.data.get("cluster", handle.instance_id)
+        try:
+            return self.api.tail(cluster, handle.data.get("job_id"), tail)
+        except Exception as e:
+            return f"(logs unavailable: {map_sky_error(e, self.cloud)})"
+
+
+__all__ = ["SkyPilotProvider", "SkyAPI", "ClusterRecord", "JobRecord", "build_task_config", "map_sky_error",
+           "CLOUDS", "run_script"]

@@ -1,0 +1,114 @@
+"""The one seam between dtrun and SkyPilot's SDK (skypilot 0.14.1).
+
+Every SkyPilot call dtrun makes goes through :class:`SkyAPI`: each SDK function returns a request
+id and ``sky.get(request_id)`` waits for the API server's answer (and re-raises its exception on
+this side). The first call starts SkyPilot's local API server — so nothing here runs at import
+time, and tests replace the whole class with a recorded fake (``tests/providers``): the adapter's
+logic (task building, state mapping, error mapping) is exercised without a server or a cloud.
+
+Records come back as small dataclasses of plain values, never SkyPilot objects, so the adapter
+and the fake share one vocabulary.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ClusterRecord:
+    name: str
+    status: str
+    """SkyPilot's ClusterStatus value: INIT, UP or STOPPED."""
+    cloud: str = ""
+    """Lower-case cloud name (runpod, lambda, vast), '' if unknown."""
+    launched_at: float | None = None
+    ever_up: bool = True
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    job_id: int
+    status: str
+    """SkyPilot's JobStatus value: INIT, PENDING, SETTING_UP, RUNNING, SUCCEEDED, FAILED,
+    FAILED_SETUP, FAILED_DRIVER, CANCELLED."""
+
+
+def task_from_config(config: dict[str, Any]) -> Any:
+    """``sky.Task.from_yaml_config(config)``: SkyPilot's own validation of a task dict."""
+    import copy
+
+    import sky
+
+    return sky.Task.from_yaml_config(copy.deepcopy(config))  # it pops keys from the dict it gets
+
+
+def _enum_value(v: Any) -> str:
+    return str(getattr(v, "value", v))
+
+
+def _cloud_of(rec: Any) -> str:
+    handle = rec.get("handle") if hasattr(rec, "get") else getattr(rec, "handle", None)
+    res = getattr(handle, "launched_resources", None)
+    cloud = getattr(res, "cloud", None)
+    if cloud is not None:
+        return str(cloud).lower()
+    text = (rec.get("resources_str") if hasattr(rec, "get") else None) or ""
+    for name in ("runpod", "lambda", "vast"):
+        if name in text.lower():
+            return name
+    return ""
+
+
+class SkyAPI:
+    """Thin wrapper over ``sky.launch/status/queue/down/tail_logs`` + ``sky.get``.
+
+    Methods raise SkyPilot's own exceptions; the adapter maps them to ``providers.errors``.
+    """
+
+    def launch(self, config: dict[str, Any], cluster_name: str, idle_minutes: int) -> int | None:
+        """Provision the cluster, run setup, submit the run command as a job; returns its job id.
+
+        ``down=True``: the cluster tears itself down ``idle_minutes`` after its job ends.
+        Blocks until the job is submitted (provisioning takes minutes)."""
+        import sky
+
+        task = task_from_config(config)
+        request_id = sky.launch(task, cluster_name=cluster_name, idle_minutes_to_autostop=idle_minutes,
+                                down=True, retry_until_up=False)
+        job_id, _handle = sky.get(request_id)
+        return job_id
+
+    def status(self, cluster_names: list[str] | None = None, refresh: bool = True) -> list[ClusterRecord]:
+        import sky
+        from sky.utils.common import StatusRefreshMode
+
+        mode = StatusRefreshMode.FORCE if refresh else StatusRefreshMode.NONE
+        records = sky.get(sky.status(cluster_names, refresh=mode))
+        out = []
+        for r in records:
+            out.append(ClusterRecord(
+                name=r["name"], status=_enum_value(r["status"]), cloud=_cloud_of(r),
+                launched_at=r.get("launched_at"), ever_up=bool(r.get("cluster_ever_up", True)),
+            ))
+        return out
+
+    def queue(self, cluster_name: str) -> list[JobRecord]:
+        import sky
+
+        return [JobRecord(int(j["job_id"]), _enum_value(j["status"]))
+                for j in sky.get(sky.queue(cluster_name, skip_finished=False))]
+
+    def down(self, cluster_name: str) -> None:
+        import sky
+
+        sky.get(sky.down(cluster_name))
+
+    def tail(self, cluster_name: str, job_id: int | None, lines: int) -> str:
+        import sky
+
+        buf = io.StringIO()
+        sky.tail_logs(cluster_name, job_id, follow=False, tail=lines, output_stream=buf)
+        return buf.getvalue()
