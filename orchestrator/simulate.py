@@ -1,0 +1,449 @@
+"""``dtrun simulate``: the real controller against the fake cloud on a virtual clock, N times.
+
+Each run builds a fresh world — an in-memory state store, a fake cloud offering only the plan's
+chosen offer (same price, spot or not, preempting spot nodes at the given rate with a seeded
+exponential clock), a ``memory://`` run URI — and drives ``orchestrator.controller.Controller``
+to a final state. Nothing is rented; no trainer runs. What the node would do is modelled here
+(:class:`SimNode`), from the same assumptions as the dry run's estimate:
+
+* start-up: the fake instance provisions for provisioning + setup minutes of the chosen
+  provider (``estimate.STARTUP_MINUTES``) — billed — then, on a resume, loads the newest
+  COMMITTED checkpoint (checkpoint bytes ÷ ``estimate.CHECKPOINT_BANDWIDTH``) and compiles
+  (``estimate.COMPILE_MINUTES`` when ``trainer.compile``);
+* training: one step every ``estimate.step_seconds`` (6 × active params × tokens per step ÷
+  (GPUs × peak FLOP/s × MFU)); a checkpoint every ``every`` steps stalls the loop for
+  ``estimate.checkpoint_save_seconds`` and then counts as COMMITTED;
+* a preemption is hard (no notice, no emergency checkpoint): the work since the last COMMITTED
+  step is lost; the node honours STOP (checkpoint, exit 0) and exits 0 with DONE at the end.
+
+The simulated node writes ``progress.json``, ``checkpoints/step-N/COMMITTED`` and ``DONE`` into
+the run URI as virtual time passes (a hook on the virtual clock), so the controller sees exactly
+what it would see from a real node.
+
+Tick size: the controller ticks every ``recovery.poll_seconds`` of *virtual* time; to keep 200
+runs to seconds the simulation raises it to ``max(poll_seconds, 30 s, expected hours × 3600 / 300)``
+(≈ 300 ticks per run at most). A coarser tick delays detecting a preemption by < one tick — wall
+time, not money: the fake cloud bills a preempted node only until it is taken away.
+
+Reported per run: wall time, cost (the fake cloud's bill: instance-seconds × price, provisioning
+included), attempts, preemptions, work lost, goodput (useful GPU time ÷ paid GPU time; useful =
+total steps × step time), and orphan instance-seconds (anything billing after the job ended).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator import estimate as est_mod
+from orchestrator import runuri
+from orchestrator.errors import EXIT_OK, UsageError
+from orchestrator.spec import JobSpec
+
+SIM_MIN_POLL_SECONDS = 30.0
+SIM_TARGET_TICKS = 300.0
+
+
+@dataclass(frozen=True)
+class Model:
+    """What one node does, in seconds and steps."""
+
+    total_steps: int
+    step_s: float
+    every: int
+    save_s: float
+    load_s: float
+    compile_s: float
+    provision_s: float
+    """Provisioning + setup: the fake instance's ``provision_seconds`` (billed)."""
+
+
+@dataclass
+class SimNode:
+    iid: str
+    attempt: int
+    ready_at: float
+    start_step: int = 0
+    train_start: float = 0.0
+    stop_seen: float | None = None
+    finished: bool = False
+    end_step: int = 0
+    end_committed: int = 0
+
+    def progress(self, m: Model, t: float) -> tuple[int, int, float | None]:
+        """(step, committed step, time DONE was written or None) at time ``t``."""
+        s, committed, tt = self.start_step, self.start_step, self.train_start
+        if t < tt:
+            return s, committed, None
+        while s < m.total_steps:
+            nxt = min(m.total_steps, (s // m.every + 1) * m.every)
+            dur = (nxt - s) * m.step_s
+            if tt + dur > t:
+                return s + int((t - tt) / m.step_s), committed, None
+            tt += dur
+            s = nxt
+            if tt + m.save_s > t:
+                return s, committed, None
+            tt += m.save_s
+            committed = s
+        return s, committed, tt
+
+
+class Simulation:
+    """One simulated run's node model, hooked to the virtual clock."""
+
+    def __init__(self, model: Model, cloud: Any, run_uri: str) -> None:
+        self.m = model
+        self.cloud = cloud
+        self.uri = run_uri
+        self.nodes: dict[str, SimNode] = {}
+        self.committed = 0
+        self.prev: float | None = None
+        self.preemptions = 0
+        self.lost_steps = 0
+        self.done_at: float | None = None
+        self._written_commits: set[int] = set()
+
+    def _commit(self, step: int) -> None:
+        if step > self.committed:
+            self.committed = step
+        if step > 0 and step not in self._written_commits:
+            self._written_commits.add(step)
+            runuri.write_json(runuri.join(runuri.checkpoint_uri(self.uri, step), runuri.COMMITTED),
+                              {"step": step, "world_size": 1, "time": 0})
+
+    def hook(self, now: float) -> None:
+        prev = self.prev if self.prev is not None else now
+        self.prev = now
+        stop = None
+        for inst in self.cloud.instances():
+            node = self.nodes.get(inst.id)
+            if node is None:
+                node = SimNode(inst.id, int(inst.env.get("DTRUN_ATTEMPT", "0") or 0), inst.ready_at)
+                node.start_step = -1
+                self.nodes[inst.id] = node
+            if node.finished:
+                continue
+            end_t = inst.ended_at if inst.phase in ("preempted", "terminated", "exited") else None
+            t = min(now, end_t) if end_t is not None else now
+            if t < inst.ready_at:
+                if end_t is not None:
+                    node.finished = True  # gone before it ever ran
+                continue
+            if node.start_step < 0:
+                node.start_step = self.committed
+                resume = self.m.load_s if self.committed > 0 else 0.0
+                node.train_start = inst.ready_at + resume + self.m.compile_s
+            if stop is None:
+                stop = runuri.exists(runuri.join(self.uri, runuri.STOP))
+            if stop and node.stop_seen is None and end_t is None:
+                node.stop_seen = max(prev, inst.ready_at)
+            step, committed, done_t = node.progress(self.m, t)
+            exit_at = None
+            if node.stop_seen is not None:
+                s_stop, _, d_stop = node.progress(self.m, node.stop_seen)
+                if d_stop is None:
+                    exit_at = max(node.stop_seen, node.train_start) + self.m.save_s
+                    if exit_at <= t:
+                        step = committed = s_stop
+                        self._commit(s_stop)
+                        self._end(node, inst, exit_at, step, step, now, end_t, code=0)
+                        continue
+            if done_t is not None and (end_t is None or done_t <= end_t):
+                self._commit(committed)
+                self.done_at = done_t
+                runuri.write_json(runuri.join(self.uri, runuri.DONE), {"step": step, "time": done_t})
+                self._progress(node, step, committed, done_t)
+                self._end(node, inst, done_t, step, committed, now, end_t, code=0)
+                continue
+            if committed > 0:
+                self._commit(committed)
+            self._progress(node, step, committed, t)
+            if end_t is not None:
+                node.finished = True
+                node.end_step, node.end_committed = step, committed
+                if inst.phase == "preempted":
+                    self.preemptions += 1
+                self.lost_steps += max(0, step - committed)
+
+    def _progress(self, node: SimNode, step: int, committed: int, t: float) -> None:
+        runuri.write_json(runuri.join(self.uri, runuri.PROGRESS),
+                          {"step": step, "steps": self.m.total_steps, "last_committed_step": committed,
+                           "time": t, "attempt": node.attempt, "loss": None, "tokens_per_s": None})
+
+    def _end(self, node: SimNode, inst: Any, at: float, step: int, committed: int, now: float,
+             end_t: float | None, code: int) -> None:
+        node.finished = True
+        node.end_step, node.end_committed = step, committed
+        if end_t is None:
+            self.cloud.set_exit(inst.id, at=at, code=code)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass
+class RunResult:
+    state: str
+    reason: str
+    wall_s: float
+    cost_usd: float
+    booked_usd: float
+    attempts: int
+    preemptions: int
+    lost_steps: int
+    paid_s: float
+    useful_s: float
+    trained_paid_s: float
+    orphan_s: float
+    steps: int
+
+    @property
+    def goodput(self) -> float:
+        return self.useful_s / self.paid_s if self.paid_s > 0 else 0.0
+
+
+@dataclass
+class Setup:
+    spec: JobSpec
+    sim_spec: JobSpec
+    plan: Any
+    model: Model
+    rate: float
+    poll: float
+    offer: Any
+    young_daly_every: int | None
+    user_every: int | str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def prepare(spec: JobSpec, preemptions_per_hour: float | None = None, every_override: int | None = None,
+            plan: Any = None) -> Setup:
+    """The plan for the real providers, and the fake-cloud spec and node model that mirror it."""
+    rate_for_plan = preemptions_per_hour
+    if plan is None:
+        plan = est_mod.make_plan(spec, preemptions_per_hour=rate_for_plan)
+    if plan.chosen is None or plan.estimate is None:
+        why = "; ".join(plan.refusals) or "no offer fits"
+        raise UsageError(f"{spec.name}: nothing to simulate: {why}")
+    offer = plan.chosen
+    rate = est_mod.preemption_rate(spec, preemptions_per_hour) if offer.spot else 0.0
+    gpus = offer.gpus_per_node * offer.nodes
+    step_s = est_mod.step_seconds(spec, offer.gpu, gpus)
+    every = every_override or plan.checkpoint_every_steps or est_mod.checkpoint_interval_steps(spec, rate, step_s)
+    prov_min, setup_min = est_mod.STARTUP_MINUTES.get(offer.provider, (5.0, 5.0))
+    compile_s = est_mod.COMPILE_MINUTES * 60.0 if spec.trainer.compile and offer.gpu != "cpu" else 0.0
+    model = Model(
+        total_steps=spec.trainer.total_steps, step_s=step_s, every=max(1, int(every)),
+        save_s=est_mod.checkpoint_save_seconds(spec),
+        load_s=est_mod.checkpoint_bytes(spec) / (est_mod.CHECKPOINT_BANDWIDTH * offer.nodes),
+        compile_s=compile_s, provision_s=(prov_min + setup_min) * 60.0,
+    )
+    yd = None
+    if rate > 0:
+        cost = max(model.save_s, step_s)
+        yd = max(1, min(model.total_steps, round(est_mod.young_daly_interval_s(cost, 3600.0 / rate) / step_s)))
+    hours = plan.estimate.hours if math.isfinite(plan.estimate.hours) else 24.0
+    poll = max(spec.recovery.poll_seconds, SIM_MIN_POLL_SECONDS, hours * 3600.0 / SIM_TARGET_TICKS)
+    r = spec.resources.model_copy(update={"providers": ["fake"], "spot": bool(offer.spot), "regions": [],
+                                          "max_price_per_gpu_hour": None})
+    rec = spec.recovery.model_copy(update={
+        "poll_seconds": poll, "heartbeat_timeout_seconds": max(spec.recovery.heartbeat_timeout_seconds, 3 * poll)})
+    ck = spec.checkpoint.model_copy(update={"uri": f"memory://dtrun-sim/{spec.name}", "every_steps": model.every})
+    sim_spec = spec.model_copy(update={"resources": r, "recovery": rec, "checkpoint": ck})
+    return Setup(spec=spec, sim_spec=sim_spec, plan=plan, model=model, rate=rate, poll=poll, offer=offer,
+                 young_daly_every=yd, user_every=spec.checkpoint.every_steps)
+
+
+def run_once(setup: Setup, index: int, seed: int, max_ticks: int = 20000) -> RunResult:
+    from orchestrator.clock import VirtualClock
+    from orchestrator.controller import Controller
+    from orchestrator.state import StateStore
+    from providers import registry
+    from providers.fake import FakeOfferTemplate, FakeProvider
+
+    m, offer = setup.model, setup.offer
+    clock = VirtualClock()
+    cloud = FakeProvider(
+        clock=clock,
+        offers=[FakeOfferTemplate(offer.region, offer.gpu, bool(offer.spot), offer.price_per_gpu_hour)],
+        provision_seconds=m.provision_s, autodown_seconds=0.0, terminate_seconds=0.0,
+        preemptions_per_hour=setup.rate, seed=seed * 1_000_003 + index,
+        max_gpus_per_node=max(8, offer.gpus_per_node),
+    )
+    uri = f"memory://dtrun-sim/{setup.spec.name}/{seed}-{index}"
+    runuri.remove(uri, recursive=True)
+    ck = setup.sim_spec.checkpoint.model_copy(update={"uri": uri})
+    spec = setup.sim_spec.model_copy(update={"checkpoint": ck})
+    sim = Simulation(m, cloud, uri)
+    clock.on_advance.append(sim.hook)
+    store = StateStore(":memory:")
+    registry.register("fake", cloud)
+    ticks = [0]
+
+    def on_tick(_c: Any) -> None:
+        ticks[0] += 1
+        if ticks[0] > max_ticks:
+            raise RuntimeError(f"simulation run {index} did not finish in {max_ticks} ticks")
+
+    try:
+        ctl = Controller(spec, store, clock=clock, providers={"fake": cloud}, stop_grace_seconds=None)
+        t0 = clock.now()
+        state = ctl.run(on_tick=on_tick)
+        job = store.get_job(spec.name) or {}
+        end = job.get("finished_at") or clock.now()
+        booked = store.spend_total(spec.name)
+        attempts = len(store.attempts(spec.name))
+    finally:
+        registry.unregister("fake")
+        clock.on_advance.remove(sim.hook)
+        store.close()
+    # Anything still billing after the job ended is an orphan: look an hour later.
+    clock.advance(3600.0)
+    bill = cloud.bill()
+    paid = 0.0
+    orphan = 0.0
+    cost = 0.0
+    for row in bill["rows"]:
+        gone = row["end"] if row["end"] is not None else bill["time"]
+        cost += row["price_per_hour"] * max(0.0, min(gone, end) - row["start"]) / 3600.0
+        orphan += max(0.0, gone - max(end, row["start"]))
+        paid += max(0.0, min(gone, end) - row["start"])
+    trained_paid = sum(max(0.0, min((i.gone_at or end), end) - max(i.ready_at, i.created_at))
+                       for i in cloud.instances())
+    runuri.remove(uri, recursive=True)
+    useful = m.total_steps * m.step_s if state == "SUCCEEDED" else sim.committed * m.step_s
+    return RunResult(state=state, reason=str(job.get("reason") or ""), wall_s=end - t0, cost_usd=cost,
+                     booked_usd=booked, attempts=attempts, preemptions=sim.preemptions, lost_steps=sim.lost_steps,
+                     paid_s=paid, useful_s=useful, trained_paid_s=trained_paid, orphan_s=orphan,
+                     steps=m.total_steps if state == "SUCCEEDED" else sim.committed)
+
+
+def summarize(setup: Setup, results: list[RunResult]) -> dict[str, Any]:
+    est = setup.plan.estimate
+    costs = [r.cost_usd for r in results]
+    walls = [r.wall_s / 3600.0 for r in results]
+    budget = setup.spec.budget.max_usd
+    states: dict[str, int] = {}
+    for r in results:
+        states[r.state] = states.get(r.state, 0) + 1
+    mean_cost = statistics.fmean(costs) if costs else float("nan")
+    return {
+        "runs": len(results),
+        "states": states,
+        "succeeded_runs": states.get("SUCCEEDED", 0),
+        "wall_hours_mean": statistics.fmean(walls) if walls else None,
+        "wall_hours_p50": _pct(walls, 0.5),
+        "wall_hours_p95": _pct(walls, 0.95),
+        "cost_usd_mean": mean_cost,
+        "cost_usd_p50": _pct(costs, 0.5),
+        "cost_usd_p95": _pct(costs, 0.95),
+        "cost_usd_max": max(costs) if costs else None,
+        "booked_usd_mean": statistics.fmean(r.booked_usd for r in results) if results else None,
+        "attempts_mean": statistics.fmean(r.attempts for r in results) if results else None,
+        "attempts_max": max(r.attempts for r in results) if results else None,
+        "preemptions_mean": statistics.fmean(r.preemptions for r in results) if results else None,
+        "work_lost_steps_mean": statistics.fmean(r.lost_steps for r in results) if results else None,
+        "work_lost_hours_mean": (statistics.fmean(r.lost_steps for r in results) * setup.model.step_s / 3600.0
+                                 if results else None),
+        "goodput_mean": statistics.fmean(r.goodput for r in results) if results else None,
+        "goodput_p5": _pct([r.goodput for r in results], 0.05),
+        "training_goodput_mean": statistics.fmean(
+            (r.useful_s / r.trained_paid_s if r.trained_paid_s > 0 else 0.0) for r in results) if results else None,
+        "budget_usd": budget,
+        "budget_exceeded_runs": sum(1 for r in results if r.state == "OVER_BUDGET"
+                                    or (budget is not None and r.cost_usd > budget)),
+        "orphan_instance_seconds": sum(r.orphan_s for r in results),
+        "expected_usd": est.expected_usd,
+        "estimate_usd": est.cost_usd,
+        "estimate_hours": est.hours,
+        "expected_vs_simulated_mean": est.expected_usd / mean_cost if mean_cost else None,
+        "estimate_covers_p95": est.cost_usd >= _pct(costs, 0.95),
+        "offer": setup.offer.key(),
+        "price_per_hour": setup.offer.price_per_hour,
+        "preemptions_per_hour": setup.rate,
+        "checkpoint_every_steps": setup.model.every,
+        "checkpoint_every_user": setup.user_every,
+        "young_daly_every_steps": setup.young_daly_every,
+        "step_seconds": setup.model.step_s,
+        "steps": setup.model.total_steps,
+        "startup_seconds": setup.model.provision_s + setup.model.compile_s,
+        "checkpoint_load_seconds": setup.model.load_s,
+        "poll_seconds": setup.poll,
+    }
+
+
+def simulate(spec: JobSpec, preemptions_per_hour: float | None = None, runs: int = 200, seed: int = 0,
+             every_override: int | None = None, plan: Any = None) -> dict[str, Any]:
+    """Run the controller ``runs`` times on the fake cloud; the summary dict (see ``--json``)."""
+    if runs <= 0:
+        raise UsageError("--runs must be a positive number of runs")
+    if preemptions_per_hour is not None and preemptions_per_hour < 0:
+        raise UsageError("--preemptions-per-hour must be ≥ 0")
+    t = time.perf_counter()
+    setup = prepare(spec, preemptions_per_hour, every_override, plan)
+    results = [run_once(setup, i, seed) for i in range(runs)]
+    out = summarize(setup, results)
+    out["elapsed_s"] = time.perf_counter() - t
+    return out
+
+
+def compare_young_daly(spec: JobSpec, base: dict[str, Any], preemptions_per_hour: float | None, runs: int,
+                       seed: int) -> dict[str, Any] | None:
+    """The same runs (same seeds) with the Young/Daly interval, when the user set another one."""
+    yd = base.get("young_daly_every_steps")
+    if not yd or yd == base["checkpoint_every_steps"]:
+        return None
+    other = simulate(spec, preemptions_per_hour, runs, seed, every_override=int(yd))
+    return {k: other[k] for k in ("checkpoint_every_steps", "cost_usd_mean", "cost_usd_p95", "goodput_mean",
+                                  "wall_hours_mean", "work_lost_steps_mean")}
+
+
+def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: int, json_out: bool) -> int:
+    import typer
+
+    from orchestrator.spec import load_spec
+
+    spec = load_spec(job)
+    out = simulate(spec, preemptions_per_hour, runs, seed)
+    out["young_daly"] = compare_young_daly(spec, out, preemptions_per_hour, runs, seed)
+    if json_out:
+        typer.echo(json.dumps(out, sort_keys=True, default=float))
+        return EXIT_OK
+    p = out
+    typer.echo(f"{spec.name}: {p['runs']} simulated runs on {p['offer']} (${p['price_per_hour']:.2f}/h), "
+               f"{p['preemptions_per_hour']:g} preemptions/h, checkpoint every {p['checkpoint_every_steps']} steps "
+               f"({p['elapsed_s']:.1f} s)")
+    typer.echo(f"  outcome     {', '.join(f'{k} {v}' for k, v in sorted(p['states'].items()))}")
+    typer.echo(f"  wall        mean {p['wall_hours_mean']:.2f} h   p95 {p['wall_hours_p95']:.2f} h")
+    typer.echo(f"  cost        mean ${p['cost_usd_mean']:.2f}   p95 ${p['cost_usd_p95']:.2f}   max ${p['cost_usd_max']:.2f}")
+    typer.echo(f"  estimate    expected ${p['expected_usd']:.2f} (x{p['expected_vs_simulated_mean']:.2f} of the "
+               f"simulated mean)   with buffer ${p['estimate_usd']:.2f} "
+               f"({'covers' if p['estimate_covers_p95'] else 'BELOW'} the p95)")
+    typer.echo(f"  attempts    mean {p['attempts_mean']:.2f}   max {p['attempts_max']}   "
+               f"preemptions mean {p['preemptions_mean']:.2f}")
+    typer.echo(f"  work lost   mean {p['work_lost_steps_mean']:.0f} steps ({p['work_lost_hours_mean'] * 60:.1f} min)")
+    typer.echo(f"  goodput     mean {p['goodput_mean']:.1%}   p5 {p['goodput_p5']:.1%}   "
+               f"(after start-up: {p['training_goodput_mean']:.1%})")
+    budget = f" of budget ${p['budget_usd']:.2f}" if p["budget_usd"] is not None else " (no budget set)"
+    typer.echo(f"  budget      exceeded in {p['budget_exceeded_runs']} run(s){budget}")
+    typer.echo(f"  orphans     {p['orphan_instance_seconds']:.0f} instance-seconds billed after a job ended")
+    yd = p.get("young_daly")
+    if p.get("young_daly_every_steps"):
+        if yd:
+            typer.echo(f"  Young/Daly  every {yd['checkpoint_every_steps']} steps (you set {p['checkpoint_every_user']}): "
+                       f"cost mean ${yd['cost_usd_mean']:.2f} p95 ${yd['cost_usd_p95']:.2f}, "
+                       f"goodput {yd['goodput_mean']:.1%}")
+        else:
+            typer.echo(f"  Young/Daly  every {p['young_daly_every_steps']} steps: the interval simulated")
+    return EXIT_OK

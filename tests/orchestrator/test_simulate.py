@@ -1,0 +1,136 @@
+"""`dtrun simulate`: the real controller on the fake cloud and a virtual clock, N runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.estimate import make_plan
+from orchestrator.simulate import Model, SimNode, simulate
+from orchestrator.spec import parse_spec
+
+
+def _spec(**over) -> dict:
+    d = {
+        "name": "simjob",
+        "resources": {"providers": ["fake"], "gpu": "H100", "gpus_per_node": 8, "spot": True},
+        "trainer": {"model": "gpt2-124m", "tokens": 1_000_000_000, "batch_size": 512, "seq_len": 1024},
+        "checkpoint": {"every_steps": 400},
+        "budget": {"max_usd": 100},
+    }
+    for k, v in over.items():
+        d[k] = {**d.get(k, {}), **v}
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _home(dtrun_home):
+    yield
+
+
+def test_node_model_progress_checkpoints_and_done():
+    m = Model(total_steps=25, step_s=1.0, every=10, save_s=2.0, load_s=0, compile_s=0, provision_s=0)
+    n = SimNode("i", 1, ready_at=0.0, start_step=0, train_start=100.0)
+    assert n.progress(m, 50.0) == (0, 0, None)
+    assert n.progress(m, 105.5) == (5, 0, None)
+    assert n.progress(m, 111.0) == (10, 0, None)      # saving step 10
+    assert n.progress(m, 112.0) == (10, 10, None)     # committed
+    assert n.progress(m, 122.5) == (20, 10, None)
+    assert n.progress(m, 200.0) == (25, 25, 131.0)    # 25 steps + 3 saves (10, 20, final)
+    n2 = SimNode("j", 2, ready_at=0.0, start_step=17, train_start=0.0)
+    assert n2.progress(m, 3.0) == (20, 17, None)      # resumes from 17, next checkpoint at 20
+
+
+def test_on_demand_run_costs_what_the_estimate_says():
+    spec = parse_spec(_spec(resources={"spot": False}))
+    out = simulate(spec, runs=3, seed=1)
+    assert out["states"] == {"SUCCEEDED": 3}
+    assert out["preemptions_mean"] == 0 and out["attempts_mean"] == 1
+    assert out["orphan_instance_seconds"] == 0
+    # no randomness without preemptions: every run identical, within a tick of the estimate
+    assert out["cost_usd_p95"] == pytest.approx(out["cost_usd_mean"])
+    tick_usd = out["price_per_hour"] * out["poll_seconds"] / 3600
+    assert abs(out["cost_usd_mean"] - out["expected_usd"]) <= tick_usd + 0.02 * out["expected_usd"]
+    assert out["expected_usd"] == pytest.approx(make_plan(spec).estimate.expected_usd)
+    assert 0 < out["goodput_mean"] < 1
+
+
+def test_preemptions_cost_attempts_and_lost_work_and_nothing_leaks():
+    spec = parse_spec(_spec())
+    calm = simulate(spec, preemptions_per_hour=0.0, runs=20, seed=3)
+    stormy = simulate(spec, preemptions_per_hour=12.0, runs=20, seed=3)
+    assert stormy["states"].get("SUCCEEDED", 0) == 20
+    assert stormy["attempts_mean"] > 1.5 and stormy["preemptions_mean"] > 0.5
+    assert stormy["work_lost_steps_mean"] > 0
+    assert stormy["cost_usd_mean"] > calm["cost_usd_mean"]
+    assert stormy["goodput_mean"] < calm["goodput_mean"]
+    assert stormy["orphan_instance_seconds"] == 0 and calm["orphan_instance_seconds"] == 0
+    assert stormy["cost_usd_p95"] >= stormy["cost_usd_mean"]
+
+
+def test_same_seed_same_answer_other_seed_other_answer():
+    spec = parse_spec(_spec())
+    a = simulate(spec, preemptions_per_hour=3.0, runs=6, seed=7)
+    b = simulate(spec, preemptions_per_hour=3.0, runs=6, seed=7)
+    c = simulate(spec, preemptions_per_hour=3.0, runs=6, seed=8)
+    assert a["cost_usd_mean"] == b["cost_usd_mean"]
+    assert a["cost_usd_mean"] != c["cost_usd_mean"]
+
+
+def test_budget_too_small_stops_every_run_within_a_tick():
+    spec = parse_spec(_spec(budget={"max_usd": 2.0}, resources={"spot": False}))
+    out = simulate(spec, runs=3, seed=0)
+    assert out["states"] == {"OVER_BUDGET": 3}
+    assert out["budget_exceeded_runs"] == 3
+    tick_usd = out["price_per_hour"] * out["poll_seconds"] / 3600
+    assert out["cost_usd_max"] <= 2.0 + tick_usd
+    assert out["orphan_instance_seconds"] == 0
+
+
+def test_auto_interval_is_young_daly():
+    spec = parse_spec(_spec(checkpoint={"every_steps": "auto"}))
+    out = simulate(spec, preemptions_per_hour=2.0, runs=2, seed=0)
+    step_s = out["step_seconds"]
+    cost = max(step_s, out["step_seconds"])  # checkpoint stall < one step here: the estimate floors at a step
+    want = round(math.sqrt(2 * cost * 3600 / 2.0) / step_s)
+    assert out["young_daly_every_steps"] == want
+    assert out["checkpoint_every_steps"] == want
+
+
+def test_cli_json_has_the_contract_keys():
+    import yaml
+
+    from orchestrator.spec import spec_to_yaml
+
+    spec = parse_spec(_spec())
+    import tempfile, os
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(spec_to_yaml(spec))
+    try:
+        r = CliRunner().invoke(app, ["simulate", f.name, "--preemptions-per-hour", "1", "--runs", "8",
+                                     "--seed", "2", "--json"])
+        assert r.exit_code == 0, r.output
+        d = json.loads(r.output)
+        for k in ("runs", "goodput_mean", "cost_usd_mean", "cost_usd_p95", "expected_usd", "estimate_usd",
+                  "budget_exceeded_runs", "orphan_instance_seconds"):
+            assert k in d, k
+        assert d["runs"] == 8 and d["orphan_instance_seconds"] == 0
+        assert d["young_daly"]["checkpoint_every_steps"] == d["young_daly_every_steps"]
+        r = CliRunner().invoke(app, ["simulate", f.name, "--runs", "3"])
+        assert r.exit_code == 0 and "goodput" in r.output and "Young/Daly" in r.output
+    finally:
+        os.unlink(f.name)
+
+
+def test_bad_runs_is_a_usage_error(tmp_path):
+    from orchestrator.cli import main
+    from orchestrator.spec import spec_to_yaml
+
+    p = tmp_path / "j.yaml"
+    p.write_text(spec_to_yaml(parse_spec(_spec())))
+    assert main(["simulate", str(p), "--runs", "0"]) == 2
