@@ -1,0 +1,147 @@
+"""``dtrun export JOB --skypilot``: the job as a SkyPilot task YAML a user can ``sky launch`` alone.
+
+The task is the one the SkyPilot adapter launches (``providers.skypilot.build_task_config``),
+with ``resources.any_of`` listing every SkyPilot cloud in ``resources.providers`` that can run
+the job (spot/multi-node capabilities applied; ``spot: prefer`` lists spot and on-demand), so
+SkyPilot's optimizer picks the cheapest. The resolved job spec travels in ``DTRUN_JOB_YAML``:
+``setup`` writes it to ``<run-uri>/job.yaml`` when absent, which is where the node bootstrap
+reads it. The output is validated with ``sky.Task.from_yaml_config`` before it is printed.
+
+Nothing secret is ever included: credentials for an ``s3://`` run URI are passed at launch
+(``sky launch --secret AWS_ACCESS_KEY_ID --secret AWS_SECRET_ACCESS_KEY``), as the header says.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import NoOfferError, UsageError
+from orchestrator.spec import JobSpec, load_spec, spec_to_yaml
+
+SKYPILOT_CLOUDS = ("runpod", "lambda", "vast")
+
+WRITE_JOB_YAML = (
+    'python -c "import os; from orchestrator import runuri; '
+    "u = runuri.join(os.environ['DTRUN_RUN_URI'], 'job.yaml'); "
+    "runuri.exists(u) or runuri.write_text(u, os.environ['DTRUN_JOB_YAML'])\""
+)
+
+
+def skypilot_task(spec: JobSpec, workdir: str = ".") -> tuple[dict[str, Any], list[str]]:
+    """(task dict, notes) for ``spec``. Raises NoOfferError if no listed SkyPilot cloud can run it."""
+    from providers.base import LaunchRequest, Offer, Requirements
+    from providers.skypilot import CLOUDS, SETUP, build_task_config
+
+    r = spec.resources
+    req = Requirements(gpu=r.gpu, gpus_per_node=r.gpus_per_node, nodes=r.nodes, spot=r.spot,
+                       regions=tuple(r.regions), max_price_per_gpu_hour=r.max_price_per_gpu_hour)
+    notes: list[str] = []
+    any_of: list[dict[str, Any]] = []
+    spot_choices = {True: [True], False: [False], "prefer": [True, False]}[r.spot]
+    for cloud in [p for p in r.providers if p in SKYPILOT_CLOUDS]:
+        caps = CLOUDS[cloud].capabilities
+        why = caps.refuse(req, cloud)
+        if why:
+            notes.append(f"left out: {why}")
+            continue
+        for spot in spot_choices:
+            if spot and not caps.spot.supported:
+                notes.append(f"{cloud}: on-demand only ({caps.spot.reason})")
+                continue
+            for region in (r.regions or [None]):
+                infra = cloud if region is None else f"{cloud}/{region}"
+                any_of.append({"infra": infra, "use_spot": spot})
+    others = [p for p in r.providers if p not in SKYPILOT_CLOUDS]
+    if others:
+        notes.append(f"not exportable to SkyPilot: {', '.join(others)} (dtrun launches those itself)")
+    if not any_of:
+        raise NoOfferError(
+            f"job {spec.name!r}: none of its providers ({', '.join(r.providers)}) can be exported to "
+            f"SkyPilot" + (f" ({'; '.join(notes)})" if notes else "") +
+            f"; SkyPilot clouds: {', '.join(SKYPILOT_CLOUDS)}")
+
+    first = any_of[0]
+    offer = Offer(first["infra"].split("/")[0], "any", r.gpu, r.gpus_per_node, first["use_spot"], 0.0,
+                  nodes=r.nodes)
+    env = {
+        "DTRUN_RUN_URI": spec.run_uri,
+        "DTRUN_JOB": spec.name,
+        "DTRUN_ATTEMPT": "1",
+        "DTRUN_NPROC_PER_NODE": str(r.gpus_per_node),
+        "DTRUN_IDLE_MINUTES": str(spec.teardown.idle_minutes),
+        "DTRUN_JOB_YAML": spec_to_yaml(spec),
+    }
+    if spec.budget.max_usd is not None:
+        env["DTRUN_BUDGET_LEFT_USD"] = f"{spec.budget.max_usd / r.nodes:g}"  # per node
+        price = _max_price(req, [a["infra"].split("/")[0] for a in any_of])
+        if price is not None:
+            env["DTRUN_PRICE_PER_HOUR"] = f"{price * r.gpus_per_node:.4f}"
+            notes.append(f"DTRUN_PRICE_PER_HOUR is the highest catalog price of the listed options "
+                         f"(${price:.2f}/GPU-h): the node's budget watchdog errs on the safe side")
+    if spec.budget.max_hours is not None:
+        notes.append(f"budget.max_hours ({spec.budget.max_hours:g} h) is not enforced on the node: its deadline "
+                     f"is an absolute time set by dtrun at launch (add --env DTRUN_DEADLINE=<unix time>)")
+    if spec.teardown.controller_lost_minutes is not None:
+        env["DTRUN_CONTROLLER_LOST_MINUTES"] = f"{spec.teardown.controller_lost_minutes:g}"
+    req_launch = LaunchRequest(job=spec.name, attempt=1, offer=offer, nodes=r.nodes,
+                               command=["python", "infra/node_bootstrap.py"], env=env, workdir=workdir)
+    cfg = build_task_config(offer.provider, req_launch)
+    cfg["name"] = f"dtrun-{spec.name}"
+    cfg["resources"] = {"accelerators": cfg["resources"]["accelerators"], "any_of": any_of}
+    cfg["setup"] = f"{SETUP}\n{WRITE_JOB_YAML}"
+    return cfg, notes
+
+
+def _max_price(req: Any, clouds: list[str]) -> float | None:
+    try:
+        from orchestrator.pricing import catalog_offers
+    except ImportError:
+        return None
+    prices = [o.price_per_gpu_hour for c in dict.fromkeys(clouds) for o in catalog_offers(c, req)]
+    return max(prices) if prices else None
+
+
+def render_yaml(cfg: dict[str, Any], notes: list[str], spec: JobSpec, validated: bool) -> str:
+    import yaml
+
+    class _Dumper(yaml.SafeDumper):
+        pass
+
+    def _str(dumper: yaml.SafeDumper, s: str) -> yaml.ScalarNode:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+
+    _Dumper.add_representer(str, _str)
+    head = [f"# SkyPilot task for dtrun job {spec.name!r} — `sky launch -c dtrun-{spec.name} <this file> "
+            f"--down -i 3` from the project root.",
+            "# The node bootstrap enforces the budget and deadline; the cluster removes itself after the job.",
+            "# No secrets here: for an s3:// run URI pass credentials at launch, e.g.",
+            "#   sky launch ... --secret AWS_ACCESS_KEY_ID --secret AWS_SECRET_ACCESS_KEY",
+            "# (and AWS_ENDPOINT_URL / AWS_DEFAULT_REGION with --env if your bucket needs them)."]
+    head += [f"# note: {n}" for n in notes]
+    if not validated:
+        head.append("# NOT validated: SkyPilot is not installed here (pip install 'dtrun[skypilot]').")
+    return "\n".join(head) + "\n" + yaml.dump(cfg, Dumper=_Dumper, sort_keys=False, width=100)
+
+
+def cmd_export(job: Path, skypilot: bool) -> int:
+    if not skypilot:
+        raise UsageError("choose what to export: --skypilot (the SkyPilot task YAML)")
+    spec = load_spec(job)
+    cfg, notes = skypilot_task(spec)
+    validated = True
+    try:
+        from providers.skypilot.api import task_from_config
+    except ImportError:  # pragma: no cover - the skypilot extra is part of the dev install
+        validated = False
+    else:
+        try:
+            task_from_config(cfg)
+        except ImportError:
+            validated = False
+        except Exception as e:  # SkyPilot's own validation: a bug in dtrun if it ever fires
+            raise UsageError(f"{job}: SkyPilot rejected the generated task: {e}") from None
+    sys.stdout.write(render_yaml(cfg, notes, spec, validated))
+    sys.stdout.flush()
+    return 0
