@@ -197,7 +197,9 @@ class Controller:
         except ImportError:
             return
         try:
-            swept = sweep_orphans(self.store, list(self.spec.resources.providers), dry_run=False)
+            names = list(self.spec.resources.providers)
+            swept = sweep_orphans(self.store, names, dry_run=False,
+                                  providers={n: self.provider(n) for n in names}, clock=self.clock)
         except (perr.ProviderError, OSError) as e:
             self.event("warning", f"orphan sweep failed: {e}")
             return
