@@ -278,13 +278,14 @@ class SkyPilotProvider(Provider):
         cfg = self.task_config(request)
         cluster = request.instance_name
         self._memo(cluster, cloud=self.cloud, job_state=None, terminated=False, ever_up=False)
+        started = time.time()  # billing may start as soon as the request is sent
         try:
             job_id = self.api.launch(cfg, cluster, self.idle_minutes)
         except Exception as e:
             raise map_sky_error(e, self.cloud) from None
         self._memo(cluster, job_id=job_id, ever_up=True)
         return Handle(provider=self.cloud, name=cluster, instance_id=cluster, region=offer.region,
-                      launched_at=time.time(), data={"cluster": cluster, "job_id": job_id, "cloud": self.cloud})
+                      launched_at=started, data={"cluster": cluster, "job_id": job_id, "cloud": self.cloud})
 
     def poll(self, handle: Handle) -> NodeState:
         cluster = handle.data.get("cluster", handle.instance_id)
