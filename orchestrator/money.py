@@ -197,11 +197,37 @@ def terminate_orphans(store: StateStore, rep: SweepReport, *, providers: dict[st
         o.outcome = "terminated" if ok else "not_confirmed"
         if ok and o.job and store.get_job(o.job) is not None:
             t = clock.now()
+            _book_orphan(store, o, t)
             for nd in store.nodes(o.job, live_only=True):
                 if nd["provider"] == o.provider and str(nd["instance_id"]) == str(i.instance_id):
                     store.update_node(nd["id"], terminated_at=t, state="TERMINATED")
             store.add_event(o.job, "orphan", f"terminated orphan {i.name} ({i.instance_id}) on {o.provider}: {o.why}",
                             t=t)
+
+
+def _attempt_of(name: str) -> int | None:
+    tail = name.rpartition("-a")[2].split("-")[0]
+    return int(tail) if tail.isdigit() else None
+
+
+def _book_orphan(store: StateStore, o: Orphan, t: float) -> None:
+    """An orphan of a known attempt was billing the job: book it (created → confirmed gone) at
+    the attempt's price, so `dtrun cost` and the budget guard count it. A spend row the
+    controller already opened just continues from where it was booked."""
+    n = _attempt_of(o.instance.name)
+    att = store.get_attempt(o.job, n) if (o.job and n is not None) else None
+    if not att:
+        return
+    offer = att.get("offer") or {}
+    price = offer.get("price_per_hour")
+    if price is None:
+        try:
+            price = float(offer["price_per_gpu_hour"]) * int(offer["gpus_per_node"]) * int(offer.get("nodes", 1))
+        except (KeyError, TypeError, ValueError):
+            return
+    start = o.instance.created_at if o.instance.created_at is not None else t
+    store.open_spend(o.job, n, float(price), min(start, t))
+    store.book_spend(o.job, n, t, close=True)
 
 
 def sweep_orphans(store: StateStore, provider_names: Iterable[str | Provider], dry_run: bool = False, *,
