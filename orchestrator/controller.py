@@ -238,11 +238,7 @@ class Controller:
                     on_tick(self)
                 if state in TERMINAL_STATES:
                     return state
-                delay = self.poll
-                if state == "RECOVERING" and self.next_launch_at > self.now():
-                    delay = min(delay, max(0.0, self.next_launch_at - self.now()))
-                if state == "PENDING":
-                    delay = 0.0
+                delay = self._next_delay(state)
                 slept = 0.0
                 while True:
                     if should_pause and should_pause():
@@ -255,6 +251,15 @@ class Controller:
         finally:
             if self.state in TERMINAL_STATES or (should_pause and should_pause()):
                 self.store.release_controller(self.name, self.pid)
+
+    def _next_delay(self, state: str) -> float:
+        """Seconds until the next tick: one poll, except that a pending launch (PENDING, or
+        RECOVERING with every remnant confirmed gone) waits only for its backoff."""
+        if state == "PENDING":
+            return 0.0
+        if state == "RECOVERING" and not self.store.nodes(self.name, live_only=True):
+            return min(self.poll, max(0.0, self.next_launch_at - self.now()))
+        return self.poll
 
     def tick(self) -> str:
         if not self.started:

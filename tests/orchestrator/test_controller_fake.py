@@ -76,7 +76,7 @@ def make_spec(tmp_path, **over):
         "trainer": {"model": "tiny", "steps": 1000, "batch_size": 8, "seq_len": 64},
         "checkpoint": {"uri": f"file://{tmp_path}/run", "every_steps": 100},
         "budget": {"max_usd": 100.0},
-        "recovery": {"poll_seconds": 5, "backoff_seconds": 10, "heartbeat_timeout_seconds": 120},
+        "recovery": {"poll_seconds": 30, "backoff_seconds": 10, "heartbeat_timeout_seconds": 300},
     }
     for k, v in over.items():
         d.setdefault(k, {}).update(v) if isinstance(v, dict) else d.__setitem__(k, v)
@@ -113,7 +113,7 @@ def test_runs_to_succeeded_and_books_spend_like_the_bill(world):
     assert c.summary()["attempts"] == 1
     assert runuri.read_text(runuri.join(c.run_uri, "job.yaml")).startswith("name: fakejob")
     lease = runuri.read_json(runuri.join(c.run_uri, runuri.LEASE))
-    assert lease["expires"] == pytest.approx(lease["renewed"] + 15)
+    assert lease["expires"] == pytest.approx(lease["renewed"] + 90)
     assert all(n["terminated_at"] is not None for n in world["store"].nodes("fakejob"))
 
 
@@ -129,7 +129,7 @@ def test_preemption_storm_resumes_from_checkpoints_until_done(world):
     assert all(a["offer"]["region"] == "fake-east" for a in atts)  # same offer after a preemption
     # each attempt resumed from the newest COMMITTED step of the one before
     assert [a["start_step"] for a in atts] == [None, 100, 200, 300, 400, 500]
-    assert 5 * 48 <= store.get_job("fakejob")["steps_lost"] <= 5 * 50  # seen at poll granularity
+    assert 5 * 45 <= store.get_job("fakejob")["steps_lost"] <= 5 * 50  # seen at poll granularity (3 steps)
     assert running(cloud) == []
     assert store.spend_total("fakejob") == pytest.approx(cloud.bill()["total_usd"], abs=0.01)
 
@@ -169,7 +169,7 @@ def test_budget_crossed_mid_run_stops_before_crossing(world, tmp_path):
     assert job["reason"].startswith("budget:")
     assert running(world["cloud"]) == []
     assert world["store"].spend_total("fakejob") <= 1.0
-    assert world["cloud"].bill()["total_usd"] <= 1.0 + 1.0 * 5 / 3600
+    assert world["cloud"].bill()["total_usd"] <= 1.0 + 1.0 * 30 / 3600  # + one tick
     # graceful: the trainer honoured STOP with a checkpoint at the step it reached
     lc = runuri.latest_committed(c.run_uri)
     assert lc is not None and lc[0] == job["step"]
