@@ -233,21 +233,22 @@ class Controller:
         self.start()
         try:
             while True:
+                started = self.now()
                 state = self.tick()
                 if on_tick:
                     on_tick(self)
                 if state in TERMINAL_STATES:
                     return state
-                delay = self._next_delay(state)
-                slept = 0.0
+                # Ticks start every poll seconds (not poll seconds after the last one ended), so
+                # an event is seen at most one poll interval after it happened.
+                wake = started + self._next_delay(state)
                 while True:
                     if should_pause and should_pause():
                         return "INTERRUPTED"
-                    if slept >= delay:
+                    left = wake - self.now()
+                    if left <= 0:
                         break
-                    step = min(0.2, delay - slept) if isinstance(self.clock, RealClock) else delay - slept
-                    self.clock.sleep(step)
-                    slept += step
+                    self.clock.sleep(min(0.2, left) if isinstance(self.clock, RealClock) else left)
         finally:
             if self.state in TERMINAL_STATES or (should_pause and should_pause()):
                 self.store.release_controller(self.name, self.pid)
