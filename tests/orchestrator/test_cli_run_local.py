@@ -149,3 +149,24 @@ def test_killed_controller_then_up_reattaches_then_down_now_without_controller(e
     st3 = status(env, tmp_path)
     assert st3["state"] == "CANCELLED" and st3["nodes"][0]["state"] == "TERMINATED"
     assert not group_alive(node["pgid"])
+
+
+def test_ctrl_c_without_a_terminal_tears_down_gracefully(env, tmp_path):
+    env["FAKE_STEPS"] = "100000"
+    p = subprocess.Popen(DTRUN + ["up", "job.yaml", "--yes"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        st = wait_for(lambda: (r := dtrun(env, tmp_path, "status", "clijob", "--json")).returncode == 0
+                      and (s := json.loads(r.stdout))["state"] == "RUNNING" and (s["step"] or 0) > 3 and s,
+                      what="RUNNING")
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1, (out[-2000:], err[-2000:])
+    assert "tearing down gracefully" in out and "CANCELLED" in out
+    st2 = status(env, tmp_path)
+    assert st2["state"] == "CANCELLED" and st2["nodes"][0]["state"] == "TERMINATED"
+    assert (tmp_path / "runs/clijob/checkpoints").exists()
+    assert not group_alive(st["nodes"][0]["pgid"])
