@@ -134,3 +134,15 @@ def test_bad_runs_is_a_usage_error(tmp_path):
     p = tmp_path / "j.yaml"
     p.write_text(spec_to_yaml(parse_spec(_spec())))
     assert main(["simulate", str(p), "--runs", "0"]) == 2
+
+
+def test_text_report_for_a_free_local_job(tmp_path):
+    from orchestrator.cli import main
+
+    p = tmp_path / "q.yaml"
+    p.write_text("name: q\nresources: {providers: [local], gpu: cpu, gpus_per_node: 2}\n"
+                 "trainer: {model: tiny, steps: 100, batch_size: 8, seq_len: 64}\n")
+    r = CliRunner().invoke(app, ["simulate", str(p), "--runs", "2"])
+    assert r.exit_code == 0, r.output
+    assert "$0.00" in r.output and "orphans     0 instance-seconds" in r.output
+    assert main(["simulate", str(tmp_path / "missing.yaml")]) == 2
