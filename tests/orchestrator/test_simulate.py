@@ -140,7 +140,7 @@ def test_text_report_for_a_free_local_job(tmp_path):
     from orchestrator.cli import main
 
     p = tmp_path / "q.yaml"
-    p.write_text("name: q\nresources: {providers: [local], gpu: cpu, gpus_per_node: 2}\n"
+    p.write_text("name: quick\nresources: {providers: [local], gpu: cpu, gpus_per_node: 2}\n"
                  "trainer: {model: tiny, steps: 100, batch_size: 8, seq_len: 64}\n")
     r = CliRunner().invoke(app, ["simulate", str(p), "--runs", "2"])
     assert r.exit_code == 0, r.output
