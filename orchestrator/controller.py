@@ -369,6 +369,10 @@ class Controller:
             self.store.update_attempt(self.name, n, state="ENDED", outcome="refused", reason=str(e), ended_at=self.now())
             self._finish("FAILED", f"{offer.provider} refused: {e}")
             return
+        except perr.ProviderError as e:  # an API error the provider did not classify: retry, bounded
+            delay = self.strategy.transient()
+            self._launch_failed(n, "launch_error", f"{type(e).__name__}: {e}", delay)
+            return
         t = self.now()
         self.store.add_node(self.name, n, handle.to_dict(), t)
         self.store.open_spend(self.name, n, price, now)  # billed from the launch request on
@@ -449,8 +453,8 @@ class Controller:
         for nd in nodes:
             try:
                 st = self.provider(nd["provider"]).poll(Handle.from_dict(nd["handle"]))
-            except perr.Transient as e:
-                self.event("warning", f"poll {nd['name']}: transient error, retrying next tick: {e}")
+            except perr.ProviderError as e:
+                self.event("warning", f"poll {nd['name']}: {type(e).__name__}: {e}; retrying next tick")
                 return None
             out[nd["id"]] = st
             if nd["state"] != st.value:
@@ -671,8 +675,10 @@ class Controller:
                 self.store.update_node(nd["id"], terminate_requested=now)
             try:
                 self.provider(nd["provider"]).terminate(Handle.from_dict(nd["handle"]))
-            except (perr.TerminateNotConfirmed, perr.Transient) as e:
-                self.event("terminate", f"{nd['name']}: not confirmed gone yet ({type(e).__name__}); retrying")
+            except perr.ProviderError as e:
+                # TerminateNotConfirmed, Transient, or anything else: never record it gone
+                # before the provider says so; try again next tick.
+                self.event("terminate", f"{nd['name']}: not confirmed gone yet ({type(e).__name__}: {e}); retrying")
                 all_gone = False
                 continue
             t = self.now()

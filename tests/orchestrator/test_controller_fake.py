@@ -318,3 +318,36 @@ def test_launch_request_env_and_no_secrets(world, monkeypatch):
     assert "sekrit" not in dump
     world["store"].request_action("fakejob", "stop_now")
     assert c.run() == "CANCELLED"
+
+
+def test_random_preemption_storm_with_flaky_api_still_finishes_and_leaks_nothing(world, tmp_path):
+    cloud = world["cloud"]
+    cloud.configure(preemptions_per_hour=3.0, transient_rate=0.05, seed=7, terminate_seconds=10)
+    spec = make_spec(tmp_path, recovery={"max_attempts": 100})
+    c = world["make"](spec)
+    assert c.run() == "SUCCEEDED"
+    atts = world["store"].attempts("fakejob")
+    assert sum(a["outcome"] == "preempted" for a in atts) >= 3
+    assert atts[-1]["outcome"] == "succeeded"
+    assert running(cloud) == []
+    # the guard books conservatively: a vanished node is paid until the controller saw it gone
+    spend, bill = world["store"].spend_total("fakejob"), cloud.bill()["total_usd"]
+    assert bill <= spend + 0.01
+    assert spend - bill <= len(atts) * 3 * 30 / 3600 * 2.0  # ≤ a few ticks per attempt
+    assert runuri.read_json(runuri.join(c.run_uri, runuri.DONE))["step"] == 1000
+
+
+def test_auth_error_on_launch_fails_with_the_providers_message(world):
+    world["cloud"].inject("launch", "AuthError", count=1)
+    c = world["make"]()
+    assert c.run() == "FAILED"
+    reason = world["store"].get_job("fakejob")["reason"]
+    assert reason.startswith("fake refused:")
+    assert running(world["cloud"]) == []
+
+
+def test_poll_errors_do_not_lose_the_node(world):
+    world["cloud"].inject("poll", "Transient", count=20)
+    c = world["make"]()
+    assert c.run() == "SUCCEEDED"
+    assert len(world["store"].attempts("fakejob")) == 1
