@@ -126,7 +126,14 @@ def test_detach_status_down_graceful(env, tmp_path):
                        if (d / "COMMITTED").exists())
     assert committed and committed[-1] >= st["step"] - 1
     assert not group_alive(pgid)
-    wait_for(lambda: not os.path.exists(f"/proc/{st['nodes'][0]['pid']}"), 10, "node gone")
+    # up again: a new session continues from the checkpoint instead of starting over
+    env["FAKE_STEPS"] = str(committed[-1] + 20)
+    p = dtrun(env, tmp_path, "up", "job.yaml", "--yes", check_rc=0)
+    assert f"has a checkpoint at step {committed[-1]}" in p.stdout and "SUCCEEDED" in p.stdout
+    st = status(env, tmp_path)
+    assert st["attempts"] == 1 and st["attempts_total"] == 2 and st["step"] == committed[-1] + 20
+    logs = dtrun(env, tmp_path, "logs", "clijob", "-f", timeout=30, check_rc=0).stdout
+    assert "[state] CANCELLED" in logs and "[state] SUCCEEDED" in logs
 
 
 def test_killed_controller_then_up_reattaches_then_down_now_without_controller(env, tmp_path):
