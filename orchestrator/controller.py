@@ -134,6 +134,7 @@ class Controller:
                                  f"on {job['controller_host']}; see `dtrun status {self.name}`, "
                                  f"or `dtrun down {self.name}`")
         self._ensure_plan()
+        self.spec = self._resolve_auto(self.spec)
         reattach = job is not None and job["state"] in ACTIVE_STATES
         if not reattach:
             est = self.plan.estimate.to_dict() if getattr(self.plan, "estimate", None) is not None else None
@@ -161,6 +162,18 @@ class Controller:
             why = "; ".join(self.plan.refusals) or "no provider offers this GPU"
             self.transition("FAILED", f"no offer fits: {why}")
         return self.state
+
+    def _resolve_auto(self, spec: JobSpec) -> JobSpec:
+        """What the nodes get: ``trainer.parallel: auto`` → the memory planner's degrees;
+        ``checkpoint.every_steps: auto`` → the plan's interval (Young/Daly)."""
+        if spec.trainer.parallel == "auto":
+            from orchestrator.planner import resolve_parallel
+
+            spec = resolve_parallel(spec)
+        every = getattr(self.plan, "checkpoint_every_steps", 0)
+        if spec.checkpoint.every_steps == "auto" and isinstance(every, int) and every > 0:
+            spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"every_steps": every})})
+        return spec
 
     def _ensure_plan(self) -> None:
         if self.plan is not None:

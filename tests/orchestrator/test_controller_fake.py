@@ -351,3 +351,18 @@ def test_poll_errors_do_not_lose_the_node(world):
     c = world["make"]()
     assert c.run() == "SUCCEEDED"
     assert len(world["store"].attempts("fakejob")) == 1
+
+
+def test_auto_settings_are_resolved_before_the_nodes_see_them(world, tmp_path):
+    spec = make_spec(tmp_path, checkpoint={"every_steps": "auto"})
+    d = spec.model_dump(mode="json", exclude_none=True)
+    d["trainer"]["parallel"] = "auto"
+    c = world["make"](parse_spec(d))
+    c.start()
+    import yaml
+
+    sent = yaml.safe_load(runuri.read_text(runuri.join(c.run_uri, "job.yaml")))
+    assert isinstance(sent["checkpoint"]["every_steps"], int) and sent["checkpoint"]["every_steps"] > 0
+    assert isinstance(sent["trainer"]["parallel"], dict) and sent["trainer"]["parallel"]["dp_shard"] >= 1
+    world["store"].request_action("fakejob", "stop_now")
+    assert c.run() == "CANCELLED"
