@@ -39,6 +39,9 @@ log = logging.getLogger("trainer")
 AUTO_CHECKPOINT_SECONDS = 600.0
 """``checkpoint.every_steps: auto`` when the orchestrator did not resolve it: every 10 minutes."""
 
+STEP_SLEEP_ENV = "DTRUN_DEBUG_STEP_SLEEP"
+"""Debug/test knob: seconds to sleep after each step (lets tests kill a run between checkpoints)."""
+
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer", allow_abbrev=False,
@@ -179,7 +182,8 @@ class Run:
         from trainer.metrics import Metrics, peak_flops
         from trainer.model import build_model, loss_fn
         from trainer.optim import build_optimizer, lr_at
-        from trainer.parallel import build_meshes, clip_grad_norm_, finish_expert_grads, parallelize
+        from trainer.parallel import (build_meshes, clip_grad_norm_, finish_expert_grads, parallelize,
+                                      sharded_state_bytes)
 
         spec, t, dims, device = self.spec, self.spec.trainer, self.dims, self.device
         ms = t.model_spec
@@ -233,6 +237,8 @@ class Run:
         metrics.start(step)
         metrics.progress(step, None if step == 0 else last_loss, ckpt.last_committed, force=True)
         last_auto = time.monotonic()
+        step_sleep = float(os.environ.get(STEP_SLEEP_ENV, "0") or 0)
+        state_bytes: dict[str, int] | None = None
         moe_layers = model.moe_layers()
         t_start = time.time()
 
@@ -263,6 +269,8 @@ class Run:
                 finish_expert_grads(model, dims, meshes)
                 gnorm = clip_grad_norm_(params, t.grad_clip)
                 optimizer.step()
+                if step == total - 1:
+                    state_bytes = sharded_state_bytes(model, optimizer)  # grads + optimizer state present
                 optimizer.zero_grad(set_to_none=True)
                 if moe_layers and any(m.balance == "bias" for m in moe_layers):
                     counts = torch.stack([m.tokens_per_expert for m in moe_layers])
@@ -274,6 +282,8 @@ class Run:
                     m.tokens_per_expert.zero_()
                 loader.advance(step)
                 step += 1
+                if step_sleep:
+                    time.sleep(step_sleep)
                 tokens += t.tokens_per_step
 
                 # One all-reduce: SIGTERM anywhere, STOP (rank 0), auto-checkpoint due (rank 0), loss.
@@ -313,12 +323,19 @@ class Run:
             if ckpt.last_saved_step != step:
                 save(step, sync=True)
             digest = param_digest(model)
+            all_bytes = [state_bytes]
+            if dist.is_initialized():
+                all_bytes = [None] * self.world
+                dist.all_gather_object(all_bytes, state_bytes)
             if self.rank == 0:
                 if ckpt.last_committed == step:
                     runuri.write_json(runuri.join(self.run_uri, runuri.DONE), {
                         "step": step, "loss": last_loss, "tokens": tokens, "time": time.time(),
                         "elapsed_s": time.time() - t_start, "param_digest": digest,
                         "world_size": self.world, "checkpoint_stall_s": ckpt.stall_s,
+                        "parallel": {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep},
+                        # per rank, after the last optimizer step (None if this attempt ran no step)
+                        "state_bytes_per_rank": all_bytes,
                     })
                     log.info("done: step %d loss %.4f", step, last_loss)
                 else:

@@ -1,0 +1,108 @@
+"""Helpers for trainer tests: write a job spec, launch the real trainer under torchrun (through
+``infra/torchrun_launch.py``, which passes the workers' exit codes through), read the run URI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH = REPO / "infra" / "torchrun_launch.py"
+
+# A dense model that exercises every TP path: untied head/embedding, QK-norm, SwiGLU, RMSNorm, GQA.
+DENSE = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+         "max_seq_len": 128, "qk_norm": True, "tie_embeddings": False, "mlp": "swiglu", "norm": "rmsnorm"}
+# tiny-moe without capacity drops or per-rank aux loss: EP and world 1 compute the same function.
+MOE = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 128,
+       "moe": {"n_experts": 4, "top_k": 2, "capacity_factor": 4.0, "balance": "bias"}}
+
+
+class Trainer:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen] = []
+
+    def job(self, name: str, *, nproc: int, run_uri: str, model: Any = "tiny", parallel: Any = None,
+            steps: int = 8, every: int = 4, **trainer: Any) -> Path:
+        spec = {
+            "name": name,
+            "resources": {"providers": ["local"], "gpu": "cpu", "gpus_per_node": nproc},
+            "trainer": {"model": model, "parallel": parallel or {"dp_shard": nproc, "tp": 1},
+                        "steps": steps, "batch_size": 4, "seq_len": 32, "precision": "fp32",
+                        "lr": 0.01, "warmup_steps": 2, "log_every": 1, "heartbeat_seconds": 0.2,
+                        **trainer},
+            "checkpoint": {"uri": run_uri, "every_steps": every, "keep": 2},
+        }
+        path = self.tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        return path
+
+    def start(self, job: Path, nproc: int, *, run_uri: str | None = None, env: dict | None = None,
+              torchrun: bool = True) -> subprocess.Popen:
+        if torchrun:
+            cmd = [sys.executable, str(LAUNCH), "--standalone", f"--nproc-per-node={nproc}",
+                   "-m", "trainer", "--job", str(job)]
+        else:
+            cmd = [sys.executable, "-m", "trainer", "--job", str(job)]
+        if run_uri:
+            cmd += ["--run-uri", run_uri]
+        e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        p = subprocess.Popen(cmd, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def run(self, job: Path, nproc: int, timeout: float = 240, **kw: Any) -> tuple[int, str]:
+        p = self.start(job, nproc, **kw)
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(p)
+            out, _ = p.communicate()
+            raise AssertionError(f"trainer timed out:\n{out[-4000:]}")
+        return p.returncode, out
+
+    @staticmethod
+    def kill(p: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def cleanup(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                self.kill(p)
+                p.wait(timeout=30)
+
+
+def wait_for(cond, timeout: float = 120, every: float = 0.1, what: str = "condition") -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def losses(run_uri: str) -> list[float]:
+    from orchestrator import runuri
+
+    text = runuri.read_text(runuri.join(run_uri, "metrics.jsonl")) or ""
+    return [json.loads(line)["loss"] for line in text.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    t = Trainer(tmp_path)
+    yield t
+    t.cleanup()

@@ -1,0 +1,101 @@
+"""FSDP2 (world 2), TP 2, dp2×tp2 (world 4) and EP 2 under real torchrun/gloo compute the same
+training run as one process: their per-step losses match a world-1 run of the same job."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import DENSE, MOE, Trainer, losses
+
+from orchestrator import runuri
+from orchestrator.presets import ModelSpec
+
+pytestmark = pytest.mark.slow
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    """World-1 references: the dense model (Muon, full activation checkpointing) and the MoE (AdamW)."""
+    tmp = tmp_path_factory.mktemp("refs")
+    t = Trainer(tmp)
+    out = {}
+    try:
+        for name, model, extra in [("dense", DENSE, {"optimizer": "muon", "activation_checkpointing": "full"}),
+                                   ("moe", MOE, {"optimizer": "muon"})]:
+            uri = f"file://{tmp}/{name}"
+            rc, log = t.run(t.job(f"ref-{name}", nproc=1, run_uri=uri, model=model, steps=STEPS, **extra), 1)
+            assert rc == 0, log[-3000:]
+            out[name] = losses(uri)
+    finally:
+        t.cleanup()
+    return out
+
+
+def _check_matches(ref: list[float], got: list[float]) -> None:
+    assert len(got) == len(ref) == STEPS
+    assert got == pytest.approx(ref, abs=2e-4), (got, ref)
+
+
+def test_reference_runs_train_with_muon(refs):
+    # Muon on the dense and the MoE model: the loss goes down from ln(256) ≈ 5.55.
+    for name in ("dense", "moe"):
+        assert refs[name][-1] < refs[name][0] - 0.05, (name, refs[name])
+
+
+def test_fsdp2_world2_matches_world1(trainer, tmp_path, refs):
+    uri = f"file://{tmp_path}/fsdp"
+    job = trainer.job("fsdp", nproc=2, run_uri=uri, model=DENSE, steps=STEPS, optimizer="muon",
+                      activation_checkpointing="selective")
+    rc, log = trainer.run(job, 2)
+    assert rc == 0, log[-3000:]
+    _check_matches(refs["dense"], losses(uri))
+    done = runuri.read_json(runuri.join(uri, "DONE"))
+    assert done["step"] == STEPS and done["param_digest"]
+    # Each rank holds half of the parameters (FSDP2 shards), summing to the model exactly.
+    per_rank = done["state_bytes_per_rank"]
+    n = ModelSpec(**DENSE).num_params()
+    assert sum(r["params"] for r in per_rank) == 4 * n
+    assert all(r["params"] < 4 * n * 0.6 for r in per_rank)
+    assert all(r["grads"] == r["params"] for r in per_rank)
+
+
+def test_tp2_matches_world1(trainer, tmp_path, refs):
+    uri = f"file://{tmp_path}/tp"
+    job = trainer.job("tp", nproc=2, run_uri=uri, model=DENSE, steps=STEPS, optimizer="muon",
+                      parallel={"dp_shard": 1, "tp": 2})
+    rc, log = trainer.run(job, 2)
+    assert rc == 0, log[-3000:]
+    _check_matches(refs["dense"], losses(uri))
+
+
+def test_dp2_tp2_world4_matches_world1(trainer, tmp_path, refs):
+    uri = f"file://{tmp_path}/dptp"
+    job = trainer.job("dptp", nproc=4, run_uri=uri, model=DENSE, steps=STEPS, optimizer="muon",
+                      parallel={"dp_shard": 2, "tp": 2})
+    rc, log = trainer.run(job, 4)
+    assert rc == 0, log[-3000:]
+    _check_matches(refs["dense"], losses(uri))
+
+
+def test_ep2_matches_world1_and_checkpoint_keeps_every_expert(trainer, tmp_path, refs):
+    uri = f"file://{tmp_path}/ep"
+    job = trainer.job("ep", nproc=2, run_uri=uri, model=MOE, steps=STEPS, optimizer="muon",
+                      parallel={"dp_shard": 2, "ep": 2})
+    rc, log = trainer.run(job, 2)
+    assert rc == 0, log[-3000:]
+    _check_matches(refs["moe"], losses(uri))
+
+    # The checkpoint holds all 4 experts (each rank owns 2): global shape and chunks covering both halves.
+    import torch.distributed.checkpoint as dcp
+
+    path = runuri.local_path(runuri.checkpoint_uri(uri, STEPS))
+    md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for key in ("model.layers.0.ffn.experts.w1", "model.layers.1.ffn.experts.w2"):
+        assert md[key].size[0] == 4, key
+        offsets = sorted(c.offsets[0] for c in md[key].chunks)
+        assert offsets == [0, 2], (key, offsets)
+    commit = json.loads(open(f"{path}/COMMITTED").read())
+    assert commit["parallel"]["ep"] == 2 and commit["world_size"] == 2
