@@ -183,10 +183,11 @@ class StateStore:
         if self.path != ":memory:":
             p = Path(self.path)
             p.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.chmod(p.parent, 0o700) if p.parent == dtrun_home() else None
-            except OSError:
-                pass
+            if p.parent == dtrun_home():
+                try:
+                    os.chmod(p.parent, 0o700)
+                except OSError:
+                    pass
             if not p.exists():
                 fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o600)
                 os.close(fd)
