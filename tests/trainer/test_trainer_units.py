@@ -1,0 +1,183 @@
+"""In-process trainer tests (no process group): shapes, parameter counts, Muon, activation
+checkpointing, LR schedule, clipping, data; plus the two launch-time errors (exit 2)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from orchestrator.presets import PRESETS, ModelSpec
+from trainer.data import DataLoader, ShardSource, SyntheticSource, build_source
+from trainer.errors import ConfigError
+from trainer.model import build_model, loss_fn
+from trainer.optim import Muon, lr_at, newton_schulz, param_groups
+from trainer.parallel import ParallelDims, apply_ac, clip_grad_norm_, sharded_state_bytes
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_builds_on_meta_with_the_spec_parameter_count(name):
+    spec = PRESETS[name]
+    model = build_model(spec, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params()
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_parameter_count_with_every_option():
+    spec = ModelSpec(vocab_size=100, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, qk_norm=True, bias=True,
+                     mlp="swiglu", pos="learned", tie_embeddings=False, max_seq_len=64,
+                     moe={"n_experts": 4, "top_k": 1, "every": 2, "d_expert": 48})
+    model = build_model(spec, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params()
+
+
+def test_parallel_dims_error_names_every_factor():
+    with pytest.raises(ConfigError) as e:
+        ParallelDims(dp_shard=3, tp=2, ep=1, world_size=4).validate()
+    msg = str(e.value)
+    assert "dp_shard (3)" in msg and "tp (2)" in msg and "ep (1)" in msg and "world size (4)" in msg
+    with pytest.raises(ConfigError, match="ep must divide n_experts"):
+        ParallelDims(dp_shard=3, tp=1, ep=3, world_size=3).validate(PRESETS["tiny-moe"])
+    with pytest.raises(ConfigError, match="needs a MoE model"):
+        ParallelDims(dp_shard=2, tp=1, ep=2, world_size=2).validate(PRESETS["tiny"])
+    ParallelDims(dp_shard=2, tp=2, ep=1, world_size=4).validate(PRESETS["tiny"])
+
+
+def test_newton_schulz_is_orthogonal():
+    g = torch.Generator().manual_seed(0)
+    for shape in [(64, 128), (128, 64), (3, 32, 48)]:
+        x = torch.randn(*shape, generator=g)
+        o = newton_schulz(x)
+        s = torch.linalg.svdvals(o)
+        assert torch.allclose(s, torch.ones_like(s), atol=1e-2), s.min()
+        # and it is U Vᵀ of x's SVD (the closest orthogonal matrix)
+        u, _, vh = torch.linalg.svd(x, full_matrices=False)
+        assert torch.allclose(o, u @ vh, atol=2e-2)
+
+
+def test_muon_update_is_orthogonal_and_adamw_groups_cover_the_rest():
+    model = build_model(PRESETS["tiny-moe"], seed=0)
+    mats, decay, no_decay = param_groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim in (2, 3) for p in mats)
+    assert any("experts" in names[id(p)] for p in mats)
+    assert all("emb" in names[id(p)] or "norm" in names[id(p)] or "router" in names[id(p)] or
+               "head" in names[id(p)] for p in no_decay + decay)
+    assert len(mats) + len(decay) + len(no_decay) == len(list(model.parameters()))
+    opt = Muon([{"params": mats, "kind": "muon", "weight_decay": 0.0},
+                {"params": decay + no_decay, "kind": "adamw", "weight_decay": 0.0}], lr=0.1, momentum=0.0)
+    # A random (full-rank) gradient: real ones at init can be rank-deficient (LayerNorm'd inputs
+    # are orthogonal to the ones vector), and NS maps a zero singular value to zero.
+    gen = torch.Generator().manual_seed(3)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+    w = model.layers["0"].attn.wq.weight
+    before = w.detach().clone()
+    opt.step()
+    upd = (before - w.detach()) / (0.1 * 0.2 * math.sqrt(max(w.shape)))
+    s = torch.linalg.svdvals(upd)
+    assert torch.allclose(s, torch.ones_like(s), atol=1e-2)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing_leaves_loss_and_grads_unchanged(mode):
+    spec = PRESETS["tiny-moe"].model_copy(update={"n_layers": 3})
+    a = build_model(spec, seed=1)
+    b = copy.deepcopy(a)
+    apply_ac(b, mode)
+    assert any("checkpoint" in type(m).__name__.lower() for m in b.layers.values())
+    x = torch.randint(0, 256, (2, 24))
+    la, _ = loss_fn(a(x), x, z_loss=1e-4)
+    lb, _ = loss_fn(b(x), x, z_loss=1e-4)
+    assert la.item() == lb.item()
+    la.backward()
+    lb.backward()
+    ga = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in a.named_parameters()}
+    for n, p in b.named_parameters():
+        assert torch.equal(p.grad, ga[n.replace("_checkpoint_wrapped_module.", "")]), n
+
+
+def test_lr_warmup_then_cosine_to_min():
+    kw = dict(lr=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(60, **kw) == pytest.approx(0.55)
+    assert lr_at(110, **kw) == pytest.approx(0.1)
+    assert all(lr_at(s, **kw) >= lr_at(s + 1, **kw) for s in range(10, 120))
+
+
+def test_clip_grad_norm_matches_torch_and_state_bytes():
+    a = build_model(PRESETS["tiny"], seed=2)
+    b = copy.deepcopy(a)
+    x = torch.randint(0, 256, (2, 16))
+    for m in (a, b):
+        loss_fn(m(x), x)[0].backward()
+    na = clip_grad_norm_(list(a.parameters()), 0.5)
+    nb = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.5)
+    assert na.item() == pytest.approx(nb.item(), rel=1e-5)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(pa.grad, pb.grad, atol=1e-7)
+    opt = torch.optim.AdamW(a.parameters())
+    opt.step()
+    n = PRESETS["tiny"].num_params()
+    sb = sharded_state_bytes(a, opt)
+    assert sb["params"] == sb["grads"] == 4 * n
+    assert sb["optimizer"] == 2 * 4 * n + 4 * len(list(a.parameters()))  # exp_avg, exp_avg_sq, step
+    assert sb["total"] == sb["params"] + sb["grads"] + sb["optimizer"]
+
+
+def test_synthetic_data_is_deterministic_and_rank_disjoint():
+    src = SyntheticSource(256, 16, seed=7)
+    assert np.array_equal(src.sample(5), SyntheticSource(256, 16, seed=7).sample(5))
+    assert not np.array_equal(src.sample(5), src.sample(6))
+    dev = torch.device("cpu")
+    r0 = DataLoader(src, global_batch=8, micro_batch=2, dp_rank=0, dp=2, device=dev)
+    r1 = DataLoader(src, global_batch=8, micro_batch=2, dp_rank=1, dp=2, device=dev)
+    one = DataLoader(src, global_batch=8, micro_batch=8, dp_rank=0, dp=1, device=dev)
+    assert r0.accum_steps == 2
+    got = torch.cat([x for ld in (r0, r1) for x, _ in ld.batches(3)])
+    full = next(one.batches(3))[0]
+    assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, full.tolist()))
+
+
+def test_token_shards_bin_llmc_and_npy(tmp_path):
+    stream = np.arange(1000, dtype=np.uint16) % 200
+    (tmp_path / "a.bin").write_bytes(stream[:400].tobytes())  # raw uint16
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = [20240520, 1, 300]
+    (tmp_path / "b.bin").write_bytes(header.tobytes() + stream[400:700].tobytes())  # llm.c format
+    np.save(tmp_path / "c.npy", stream[700:])
+    src = build_source(str(tmp_path), seq_len=64, vocab_size=256, seed=0)
+    assert isinstance(src, ShardSource) and src.total == 1000
+    for i in (0, 6, 10, 15):  # crosses shard boundaries and wraps around
+        want = np.array([stream[(i * 64 + j) % 1000] for j in range(65)])
+        assert np.array_equal(src.sample(i), want)
+    with pytest.raises(ConfigError, match="no .bin or .npy"):
+        build_source(str(tmp_path / "empty"), seq_len=64, vocab_size=256, seed=0)
+    with pytest.raises(ConfigError, match="vocab_size"):
+        build_source(str(tmp_path), seq_len=64, vocab_size=100, seed=0).sample(2)
+
+
+# ---- launch-time errors: exit 2 with one clear line --------------------------------------------
+
+def test_bad_parallel_degrees_exit_2_before_any_process_group(trainer, tmp_path):
+    # A valid spec for 4 ranks started as 2: no MASTER_ADDR is set, so reaching
+    # init_process_group would fail differently (exit 1) — exit 2 proves the check came first.
+    job = trainer.job("bad-dims", nproc=4, run_uri=f"file://{tmp_path}/run")
+    rc, out = trainer.run(job, 2, torchrun=False, env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},
+                          timeout=120)
+    assert rc == 2, out[-2000:]
+    assert "dp_shard (4) × tp (1)" in out and "world size (2)" in out
+    assert "Traceback" not in out
+
+
+def test_unusable_run_uri_exit_2_before_step_1(trainer, s3_server):
+    uri = "s3://no-such-bucket-dtrun/run"
+    job = trainer.job("bad-uri", nproc=1, run_uri=uri)
+    rc, out = trainer.run(job, 1, torchrun=False, timeout=120)
+    assert rc == 2, out[-2000:]
+    assert f"run URI {uri} is not usable" in out
+    assert "step 1/" not in out and "Traceback" not in out
