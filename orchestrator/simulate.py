@@ -14,7 +14,10 @@ to a final state. Nothing is rented; no trainer runs. What the node would do is 
   (GPUs × peak FLOP/s × MFU)); a checkpoint every ``every`` steps stalls the loop for
   ``estimate.checkpoint_save_seconds`` and then counts as COMMITTED;
 * a preemption is hard (no notice, no emergency checkpoint): the work since the last COMMITTED
-  step is lost; the node honours STOP (checkpoint, exit 0) and exits 0 with DONE at the end.
+  step is lost; the node honours STOP (checkpoint, exit 0) and exits 0 with DONE at the end;
+* a node whose job exited keeps billing for one *real* controller poll (``recovery.poll_seconds``
+  of the job as written): the time a controller ticking at that rate takes to see the exit and
+  terminate it — not the simulation's coarser tick, which would over-bill every attempt.
 
 The simulated node writes ``progress.json``, ``checkpoints/step-N/COMMITTED`` and ``DONE`` into
 the run URI (a temp directory per run) as virtual time passes (a hook on the virtual clock), so the controller sees exactly
@@ -283,7 +286,7 @@ def run_once(setup: Setup, index: int, seed: int, max_ticks: int = 20000) -> Run
     cloud = FakeProvider(
         clock=clock,
         offers=[FakeOfferTemplate(offer.region, offer.gpu, bool(offer.spot), offer.price_per_gpu_hour)],
-        provision_seconds=m.provision_s, autodown_seconds=0.0, terminate_seconds=0.0,
+        provision_seconds=m.provision_s, autodown_seconds=setup.spec.recovery.poll_seconds, terminate_seconds=0.0,
         preemptions_per_hour=setup.rate, seed=seed * 1_000_003 + index,
         max_gpus_per_node=max(8, offer.gpus_per_node),
     )
