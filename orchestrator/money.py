@@ -331,7 +331,8 @@ def job_cost(store: StateStore, job: dict) -> dict[str, Any]:
             "offer": (f"{offer.get('provider')}/{offer.get('region')}/{offer.get('gpu')}x{offer.get('gpus_per_node')}"
                       + ("/spot" if offer.get("spot") else "")) if offer else None,
             "price_per_hour": s["price_per_hour"], "seconds": round(s["seconds"], 3), "usd": round(s["usd"], 6),
-            "billing": not s["closed"], "outcome": a.get("outcome"), "reason": a.get("reason"),
+            "billing": not s["closed"], "booked_until": s["billed_until"],
+            "outcome": a.get("outcome"), "reason": a.get("reason"),
             "start_step": a.get("start_step"), "end_step": a.get("end_step"),
         })
     total = sum(r["usd"] for r in rows)

@@ -107,14 +107,14 @@ def test_controller_lost_node_checkpoints_and_stops_then_up_resumes(tmp_path):
     (tmp_path / "job.yaml").write_text("""\
 name: lost
 resources: {providers: [local], gpu: cpu, gpus_per_node: 1}
-trainer: {model: tiny, steps: 300, batch_size: 2, seq_len: 16, precision: fp32}
+trainer: {model: tiny, steps: 600, batch_size: 2, seq_len: 16, precision: fp32}
 checkpoint: {uri: "./runs/{name}", every_steps: 1000}
 budget: {max_usd: 1.0, max_hours: 1}
 teardown: {controller_lost_minutes: 0.05}
 recovery: {poll_seconds: 0.5, backoff_seconds: 0.2, heartbeat_timeout_seconds: 60}
 """)
     # the torch-free stand-in trainer (honours STOP with a checkpoint) keeps this one fast
-    env = _env(tmp_path, DTRUN_TRAINER_CMD=f"{sys.executable} {FAKE_TRAINER}", FAKE_STEPS="300",
+    env = _env(tmp_path, DTRUN_TRAINER_CMD=f"{sys.executable} {FAKE_TRAINER}", FAKE_STEPS="600",
                FAKE_STEP_SECONDS="0.05")
     uri = "file://" + str(tmp_path / "runs" / "lost")
     assert dtrun(env, tmp_path, "up", "job.yaml", "--yes", "--detach").returncode == 0
@@ -130,12 +130,12 @@ recovery: {poll_seconds: 0.5, backoff_seconds: 0.2, heartbeat_timeout_seconds: 6
     # lease: expires 1.5 s after the last tick; stale limit 3 s; checks every 0.5 s
     assert time.time() - killed_at < 20
     step, rec = runuri.latest_committed(uri)
-    assert 5 <= step < 300  # the STOP checkpoint, not the end
+    assert 5 <= step < 600  # the STOP checkpoint, not the end
     assert runuri.read_json(runuri.join(uri, runuri.DONE)) is None
     # `dtrun up` again resumes from the checkpoint and finishes
     p = dtrun(env, tmp_path, "up", "job.yaml", "--yes")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     s = status(env, tmp_path, "lost")
     assert s["state"] == "SUCCEEDED"
-    assert runuri.read_json(runuri.join(uri, runuri.DONE))["step"] == 300
+    assert runuri.read_json(runuri.join(uri, runuri.DONE))["step"] == 600
     assert s["attempts"] >= 2
