@@ -146,3 +146,16 @@ def test_text_report_for_a_free_local_job(tmp_path):
     assert r.exit_code == 0, r.output
     assert "$0.00" in r.output and "orphans     0 instance-seconds" in r.output
     assert main(["simulate", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_preemption_count_matches_the_exposure_model():
+    # preemptions strike only while a node runs: N = λ·W / (1 − λ·ℓ), with W the work and ℓ the
+    # running time lost per preemption (half an interval + checkpoint load + compile)
+    spec = parse_spec(_spec(trainer={"tokens": 4_000_000_000}, checkpoint={"every_steps": 400}))
+    rate = 4.0
+    out = simulate(spec, preemptions_per_hour=rate, runs=100, seed=11)
+    W = out["steps"] * out["step_seconds"] / 3600
+    ell = (400 * out["step_seconds"] / 2 + out["checkpoint_load_seconds"]) / 3600
+    n = rate * W / (1 - rate * ell)
+    assert out["preemptions_mean"] == pytest.approx(n, abs=0.3)
+    assert out["attempts_mean"] == pytest.approx(1 + out["preemptions_mean"], abs=0.05)
