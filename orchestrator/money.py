@@ -9,8 +9,8 @@ Orphans
 
     1. the state store records it as a live node (not confirmed terminated) of a job that is still
        active (PENDING … STOPPING): a restarted controller re-attaches to it; or
-    2. its job is active and run by a live controller in *another* process, which may be between
-       "launch returned" and "node recorded".
+    2. its job is active and run by a live controller in *another* process, and its attempt is
+       still LAUNCHING (that controller may be between "launch returned" and "node recorded").
 
     Everything else carrying the prefix is an orphan: instances of finished or unknown jobs,
     unrecorded instances of the caller's own job, nodes the store thinks live for a job that
@@ -113,7 +113,14 @@ def classify(store: StateStore, provider: str, inst: OwnedInstance) -> tuple[boo
                 return False, job_name, f"left over from an earlier run of {job_name} (attempt {nd['attempt']})"
             return True, job_name, "live node of an active job"
     if _owner_pid_alive(job):
-        return True, job_name, f"active job run by live controller pid {job['controller_pid']} (may be launching)"
+        # Another live controller may be between "launch returned" and "node recorded" — but only
+        # for an attempt still LAUNCHING; an attempt that already ended never will record it.
+        n = _attempt_of(inst.name)
+        att = store.get_attempt(job_name, n) if n is not None else None
+        if att is None or att.get("state") == "LAUNCHING":
+            return True, job_name, f"active job run by live controller pid {job['controller_pid']} (may be launching)"
+        return False, job_name, (f"attempt {n} of {job_name} ended ({att.get('outcome') or att.get('state')}) "
+                                 "without recording this instance")
     return False, job_name, f"job {job_name} is {job['state']} but never recorded this instance"
 
 
@@ -156,7 +163,7 @@ def find_orphans(store: StateStore, provider_names: Iterable[str | Provider], *,
     for entry in provider_names:
         try:
             name, prov = _resolve(entry, providers)
-        except (KeyError, ImportError, AttributeError) as e:
+        except (KeyError, ImportError, AttributeError, perr.ProviderError) as e:
             rep.errors[str(entry)] = f"{type(e).__name__}: {e}"
             continue
         if name in seen:

@@ -92,7 +92,15 @@ def test_unrecorded_instance_of_another_live_controller_is_left_alone(world):
         store.claim_controller("busy", pid=other.pid)
         _launch(cloud, "busy", 1)
         assert sweep_orphans(store, ["fake"], providers={"fake": cloud}, clock=clock) == []
+        store.new_attempt("busy", 1, OFFER.to_dict(), "fake", 0.0)  # LAUNCHING: may be recorded yet
+        assert sweep_orphans(store, ["fake"], providers={"fake": cloud}, clock=clock) == []
         assert _live(cloud) == ["dtrun-busy-a1"]
+        # the same live controller, but that attempt ended (a launch that "failed" yet created the
+        # instance): nobody will ever record it
+        store.update_attempt("busy", 1, state="ENDED", outcome="launch_error")
+        swept = sweep_orphans(store, ["fake"], dry_run=True, providers={"fake": cloud})
+        assert [i.name for i in swept] == ["dtrun-busy-a1"]
+        store.update_attempt("busy", 1, state="LAUNCHING")
     finally:
         other.kill()
         other.wait()
