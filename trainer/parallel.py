@@ -106,6 +106,8 @@ class Meshes:
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     from torch.distributed.device_mesh import init_device_mesh
 
+    if dims.world_size == 1 and not dist.is_initialized():
+        return Meshes(None, None, None, None)  # one process, no process group (python -m trainer)
     if dims.replicate:
         dense = init_device_mesh(device_type, (dims.dp, 1, dims.tp),
                                  mesh_dim_names=("dp_replicate", "dp_shard", "tp"))

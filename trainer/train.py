@@ -151,7 +151,7 @@ class Run:
         self.device = torch.device("cuda", self.local_rank) if use_cuda else torch.device("cpu")
         if use_cuda:
             torch.cuda.set_device(self.device)
-        if self.world > 1 or "MASTER_ADDR" in os.environ:
+        if self.world > 1 or ("MASTER_ADDR" in os.environ and "RANK" in os.environ):
             dist.init_process_group(backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo",
                                     device_id=self.device if use_cuda else None)
         try:
