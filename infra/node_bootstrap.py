@@ -18,9 +18,10 @@ What it does, in order:
    (exit 75).
 5. Runs a watchdog thread every ``DTRUN_WATCHDOG_SECONDS`` (default 10) that, with or without a
    controller, stops the run when
-     - ``budget``: this node's spend (``DTRUN_PRICE_PER_HOUR`` × time since launch) would exceed
-       ``DTRUN_BUDGET_LEFT_USD`` by the next check plus the stop grace;
-     - ``deadline``: ``DTRUN_DEADLINE`` (unix time) is within two check intervals plus the grace;
+     - ``budget``: this node's spend (``DTRUN_PRICE_PER_HOUR`` × time since launch) would reach
+       ``DTRUN_BUDGET_LEFT_USD`` by the next check plus a whole stop sequence (both graces below),
+       so even a trainer that has to be killed is gone before the money runs out;
+     - ``deadline``: ``DTRUN_DEADLINE`` (unix time) is within two check intervals plus both graces;
      - ``controller_lost``: ``lease.json`` has been expired for longer than
        ``DTRUN_CONTROLLER_LOST_MINUTES`` (only when set);
      - ``idle``: ``progress.json``'s step has not advanced for ``DTRUN_IDLE_MINUTES``.
@@ -343,17 +344,18 @@ class Watchdog:
         c = self.cfg
         if c.price_per_hour is None or c.budget_left_usd is None:
             return None
-        ahead = now + c.check_seconds + c.stop_grace_seconds
+        # the whole stop sequence must fit: the next check, the STOP grace, the SIGTERM grace
+        ahead = now + c.check_seconds + c.stop_grace_seconds + c.kill_grace_seconds
         if self.spend_usd(ahead) >= c.budget_left_usd:
             return (f"spend ${self.spend_usd(now):.4f} would reach the node's budget "
-                    f"${c.budget_left_usd:.4f} by the next check (+ stop grace)")
+                    f"${c.budget_left_usd:.4f} by the next check plus a full stop sequence")
         return None
 
     def check_deadline(self, now: float) -> str | None:
         c = self.cfg
         if c.deadline is None:
             return None
-        if now + 2 * c.check_seconds + c.stop_grace_seconds >= c.deadline:
+        if now + 2 * c.check_seconds + c.stop_grace_seconds + c.kill_grace_seconds >= c.deadline:
             return f"deadline {c.deadline:.0f} is {c.deadline - now:.0f}s away"
         return None
 

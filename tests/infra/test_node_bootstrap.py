@@ -113,27 +113,29 @@ def test_exit_code_pick():
 
 def _wd(tmp_path, **kw):
     uri = _run_uri(tmp_path)
-    cfg = nb.NodeConfig(run_uri=uri, job="nodetest", check_seconds=10, stop_grace_seconds=60, **kw)
+    cfg = nb.NodeConfig(run_uri=uri, job="nodetest", check_seconds=10, stop_grace_seconds=60,
+                        kill_grace_seconds=30, **kw)
     return uri, nb.Watchdog(cfg, start=1000.0)
 
 
 def test_watchdog_budget_fires_before_the_next_check_would_cross(tmp_path):
-    # $36/h = $0.01/s; budget $10 → 1000 s; look-ahead = 10 s check + 60 s grace.
+    # $36/h = $0.01/s; budget $10 → 1000 s; look-ahead = 10 s check + 60 s STOP grace + 30 s kill grace
     _, wd = _wd(tmp_path, price_per_hour=36.0, budget_left_usd=10.0)
-    assert wd.check(1000 + 929) is None
-    reason, detail = wd.check(1000 + 931)
+    assert wd.check(1000 + 899) is None
+    reason, detail = wd.check(1000 + 901)
     assert reason == "budget" and "$10" in detail
 
 
 def test_watchdog_counts_provisioning_from_launch_time(tmp_path):
     _, wd = _wd(tmp_path, price_per_hour=36.0, budget_left_usd=10.0, launched_at=500.0)
-    assert wd.check(1000 + 431)[0] == "budget"
+    assert wd.check(1000 + 399) is None
+    assert wd.check(1000 + 401)[0] == "budget"
 
 
-def test_watchdog_deadline_two_intervals_plus_grace(tmp_path):
+def test_watchdog_deadline_two_intervals_plus_graces(tmp_path):
     _, wd = _wd(tmp_path, deadline=2000.0)
-    assert wd.check(2000 - 81) is None
-    assert wd.check(2000 - 79)[0] == "deadline"
+    assert wd.check(2000 - 111) is None
+    assert wd.check(2000 - 109)[0] == "deadline"
 
 
 def test_watchdog_lease_off_by_default_and_stale_when_set(tmp_path):
@@ -181,11 +183,11 @@ def test_missing_job_yaml_is_bad_config(tmp_path):
 
 def test_budget_stop_checkpoints_and_exits_76(tmp_path):
     uri = _run_uri(tmp_path)
-    # $3600/h = $1/s; $4.5 left, 3 s grace + 0.1 s check → STOP after ~1.4 s of a ~10 s run.
-    r = _boot(uri, FAKE_STEPS="200", DTRUN_PRICE_PER_HOUR="3600", DTRUN_BUDGET_LEFT_USD="4.5")
+    # $3600/h = $1/s; $7.5 left, look-ahead 0.1 s check + 3 s + 2 s graces → STOP after ~2.4 s of a ~10 s run.
+    r = _boot(uri, FAKE_STEPS="200", DTRUN_PRICE_PER_HOUR="3600", DTRUN_BUDGET_LEFT_USD="7.5")
     assert r.returncode == nb.EXIT_WATCHDOG, r.stderr
     wd = _read(uri, "watchdog.json")
-    assert wd["reason"] == "budget" and wd["attempt"] == 3 and wd["spend_usd"] < 4.5
+    assert wd["reason"] == "budget" and wd["attempt"] == 3 and wd["spend_usd"] < 7.5
     assert runuri.exists(runuri.join(uri, "STOP"))
     last = runuri.latest_committed(uri)
     assert last is not None and 0 < last[0] < 200
@@ -206,7 +208,7 @@ def test_controller_lost_stops_soon_after_lease_goes_stale(tmp_path):
 
 def test_deadline_stop(tmp_path):
     uri = _run_uri(tmp_path)
-    r = _boot(uri, FAKE_STEPS="400", DTRUN_DEADLINE=str(time.time() + 4.5))
+    r = _boot(uri, FAKE_STEPS="400", DTRUN_DEADLINE=str(time.time() + 7.5))
     assert r.returncode == nb.EXIT_WATCHDOG, r.stderr
     assert _read(uri, "watchdog.json")["reason"] == "deadline"
 

@@ -62,7 +62,7 @@ def test_budget_runs_out_without_a_controller(tmp_path):
     assert runuri.read_json(prog) is not None, "the trainer never started"
     runuri.remove(runuri.join(uri, "checkpoints"), recursive=True)
     runuri.remove(prog)
-    budget = startup * 2 + 60 + 10  # STOP about startup×2 + 10 s in (look-ahead = grace + check)
+    budget = startup * 2 + 100  # STOP about startup×2 + 10 s in (look-ahead: check + 60 s + 30 s graces)
     t0 = time.time()
     p = subprocess.Popen([sys.executable, str(BOOT)], env={**env, "DTRUN_BUDGET_LEFT_USD": f"{budget:.1f}"},
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
