@@ -15,7 +15,7 @@ Measured 2026-11-29 on the 2-core dev box (load ~6), 200 runs, seed 0, vast/H100
   cost mean $15.20, p50 $13.18, p95 $18.93; expected $15.96 (+5.1 %), buffered $19.16 (≥ p95);
   goodput 70.6 % (p5 55.4 %) — 94.9 % counting only paid time after provisioning + setup;
   1.72 attempts, 0.72 preemptions, 168 steps lost per run; 0 orphan instance-seconds;
-  Young/Daly (241 steps vs the job's 500): mean $15.14, p95 $18.69; 22 s for 200 runs.
+  Young/Daly (241 steps vs the job's 500): mean $15.14, p95 $18.69; 14-24 s for 200 runs (load).
   The goodput target cannot be met by this job: it computes for 39 min and every start pays
   10 min (4 provisioning + 5 setup + 1 compile), so even a run with no preemption is at 79.7 %.
 
