@@ -38,12 +38,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from orchestrator import runuri
 from trainer.errors import ConfigError
 
 log = logging.getLogger("trainer.checkpoint")
+
+# DCP's CheckpointException derives from BaseException: name it explicitly.
+_ERRORS = (Exception, CheckpointException)
 
 
 def _storage_kwargs(uri: str) -> dict[str, Any]:
@@ -105,7 +109,7 @@ class CheckpointManager:
                     dcp.save(sd, storage_writer=_writer(uri), process_group=self.pg)
                     ok = True
                     break
-                except Exception as e:  # noqa: BLE001 - storage errors of any backend
+                except _ERRORS as e:  # noqa: BLE001 - storage errors of any backend
                     log.warning("checkpoint step %d: save attempt %d failed: %s", step, attempt, _short(e))
             self.stall_s.append(time.perf_counter() - t0)
             if ok:
@@ -113,10 +117,16 @@ class CheckpointManager:
             else:
                 log.warning("checkpoint step %d NOT committed; training continues", step)
             return
-        fut = dcp.async_save(sd, storage_writer=_writer(uri), process_group=self.pg)
-        if hasattr(fut, "upload_completion"):  # AsyncSaveResponse (custom stagers)
-            fut.staging_completion.result()
-            fut = fut.upload_completion
+        try:
+            fut = dcp.async_save(sd, storage_writer=_writer(uri), process_group=self.pg)
+            if hasattr(fut, "upload_completion"):  # AsyncSaveResponse (custom stagers)
+                fut.staging_completion.result()
+                fut = fut.upload_completion
+        except _ERRORS as e:  # noqa: BLE001 - e.g. the storage refused the folder
+            self.stall_s.append(time.perf_counter() - t0)
+            log.warning("checkpoint step %d: async save failed (%s); NOT committed, training continues",
+                        step, _short(e))
+            return
         self.stall_s.append(time.perf_counter() - t0)
         self._pending = (step, fut, meta)
 
@@ -133,7 +143,7 @@ class CheckpointManager:
         self._pending = None
         try:
             fut.result()
-        except Exception as e:  # noqa: BLE001
+        except _ERRORS as e:  # noqa: BLE001
             log.warning("checkpoint step %d: async save failed (%s); NOT committed, training continues",
                         step, _short(e))
             return
@@ -200,7 +210,7 @@ class CheckpointManager:
                 train = self._load(uri, model, optimizer, loader)
             except ConfigError:
                 raise
-            except Exception as e:  # noqa: BLE001
+            except _ERRORS as e:  # noqa: BLE001
                 log.warning("checkpoint step-%d is COMMITTED but failed to load (%s); trying the previous one",
                             step, _short(e))
                 continue

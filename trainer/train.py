@@ -123,6 +123,10 @@ class Run:
     def run(self) -> int:
         from trainer.parallel import ParallelDims
 
+        # From here on a SIGTERM is remembered and honoured after the next step (with a checkpoint).
+        self.flags = _Flags()
+        signal.signal(signal.SIGTERM, self.flags.on_sigterm)
+
         t = self.spec.trainer
         ms = t.model_spec
         dims = ParallelDims.from_spec(self.spec, self.world)
@@ -229,8 +233,7 @@ class Run:
             if self.rank == 0:
                 log.info("resumed from checkpoint step %d", step)
         every = spec.checkpoint.every_steps
-        self.flags = flags = _Flags()
-        signal.signal(signal.SIGTERM, flags.on_sigterm)
+        flags = self.flags
         poll_done = threading.Event()
         if self.rank == 0:
             threading.Thread(target=_stop_poller, args=(self.run_uri, flags, poll_done), daemon=True).start()
@@ -304,14 +307,14 @@ class Run:
                 if term > 0:
                     log.warning("SIGTERM: emergency checkpoint at step %d", step)
                     ckpt.wait()
-                    if ckpt.last_saved_step != step:
+                    if ckpt.last_committed != step:
                         save(step, sync=True)
                     return finish(EXIT_PREEMPTED, "preempted")
                 if stop > 0:
                     if self.rank == 0:
                         log.info("STOP found in the run URI: checkpoint at step %d and exit", step)
                     ckpt.wait()
-                    if ckpt.last_saved_step != step:
+                    if ckpt.last_committed != step:
                         save(step, sync=True)
                     return finish(EXIT_DONE, "stopped")
                 due = (isinstance(every, int) and step % every == 0) or auto_now > 0
@@ -320,7 +323,7 @@ class Run:
                     last_auto = time.monotonic()
 
             ckpt.wait()
-            if ckpt.last_saved_step != step:
+            if ckpt.last_committed != step:
                 save(step, sync=True)
             digest = param_digest(model)
             all_bytes = [state_bytes]

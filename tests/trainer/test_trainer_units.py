@@ -181,3 +181,71 @@ def test_unusable_run_uri_exit_2_before_step_1(trainer, s3_server):
     assert rc == 2, out[-2000:]
     assert f"run URI {uri} is not usable" in out
     assert "step 1/" not in out and "Traceback" not in out
+
+
+def test_failed_async_save_warns_and_training_goes_on(caplog):
+    """A storage error during a save (here: a path even root cannot create, under /proc; the
+    handling is the same for any fsspec backend): the step is not COMMITTED, a warning names it,
+    nothing raises, and the next save is attempted normally."""
+    import logging
+
+    from trainer.checkpoint import CheckpointManager
+
+    model = build_model(PRESETS["tiny"], seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    loader = DataLoader(SyntheticSource(256, 16, 0), global_batch=2, micro_batch=2, dp_rank=0, dp=1,
+                        device=torch.device("cpu"))
+    mgr = CheckpointManager("file:///proc/dtrun-no-such-dir/run", keep=2, async_mode="async", rank=0, world_size=1,
+                            dp_rank=0, describe={})
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        mgr.save(3, mgr.state_dict(model, opt, loader, {"step": 3, "tokens": 0, "loss": 0.0}), {})
+        mgr.wait()
+        assert mgr.last_committed is None
+        assert "checkpoint step 3: async save failed" in caplog.text and "NOT committed" in caplog.text
+        mgr.save(4, mgr.state_dict(model, opt, loader, {"step": 4, "tokens": 0, "loss": 0.0}), {}, sync=True)
+        assert mgr.last_committed is None and "checkpoint step 4 NOT committed" in caplog.text
+
+
+def test_fp8_without_torchao_is_a_clear_config_error(monkeypatch):
+    import builtins
+
+    from trainer.parallel import apply_fp8
+
+    real_import = builtins.__import__
+
+    def no_torchao(name, *a, **k):
+        if name.startswith("torchao"):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    with pytest.raises(ConfigError, match="fp8: true needs torchao"):
+        apply_fp8(build_model(PRESETS["tiny"], device="meta"))
+
+
+def test_corrupt_newest_committed_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
+    import logging
+
+    from trainer.checkpoint import CheckpointManager
+
+    model = build_model(PRESETS["tiny"], seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    loader = DataLoader(SyntheticSource(256, 16, 0), global_batch=2, micro_batch=2, dp_rank=0, dp=1,
+                        device=torch.device("cpu"))
+    uri = f"file://{tmp_path}/run"
+    mgr = CheckpointManager(uri, keep=3, async_mode="async", rank=0, world_size=1, dp_rank=0, describe={})
+    for step in (2, 4):
+        loader.samples_seen = step * 2
+        mgr.save(step, mgr.state_dict(model, opt, loader, {"step": step, "tokens": 7 * step, "loss": 1.0}), {})
+        mgr.wait()
+    assert mgr.last_committed == 4
+    (tmp_path / "run/checkpoints/step-4/.metadata").write_bytes(b"not a pickle")
+    fresh = DataLoader(SyntheticSource(256, 16, 0), global_batch=2, micro_batch=2, dp_rank=0, dp=1,
+                       device=torch.device("cpu"))
+    m2 = build_model(PRESETS["tiny"], seed=1)
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        train = CheckpointManager(uri, keep=3, async_mode="async", rank=0, world_size=1, dp_rank=0,
+                                  describe={}).load_latest(m2, torch.optim.AdamW(m2.parameters()), fresh)
+    assert train["step"] == 2 and train["tokens"] == 14 and fresh.samples_seen == 4
+    assert "step-4 is COMMITTED but failed to load" in caplog.text
+    assert torch.equal(m2.tok_emb.weight, model.tok_emb.weight)
