@@ -22,9 +22,15 @@ RENTABLE = ("runpod", "lambda", "vast", "modal")
 
 
 def _console(stderr: bool = False):
+    """Rich on a terminal; without one (CI, a pipe) plain text wide enough not to truncate."""
+    import sys as _sys
+
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    stream = _sys.stderr if stderr else _sys.stdout
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    return Console(stderr=stderr, highlight=False, soft_wrap=False,
+                   width=None if tty else 200, no_color=not tty)
 
 
 def _money(x: float | None) -> str:

@@ -1,0 +1,160 @@
+"""`dtrun up --dry-run` and `dtrun prices`: offers from the providers, the estimate arithmetic,
+the budget verdict and its exit codes, catalog overrides, and no heavy imports on the fast path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT2 = ROOT / "jobs" / "gpt2-124m.yaml"
+
+
+def run_json(capsys, argv):
+    rc = main(argv)
+    out = capsys.readouterr().out
+    return rc, json.loads(out)
+
+
+def job_file(tmp_path, **changes) -> Path:
+    data = yaml.safe_load(GPT2.read_text())
+    for dotted, value in changes.items():
+        node = data
+        keys = dotted.split("__")
+        for k in keys[:-1]:
+            node = node[k]
+        node[keys[-1]] = value
+    f = tmp_path / "job.yaml"
+    f.write_text(yaml.safe_dump(data))
+    return f
+
+
+@pytest.fixture(autouse=True)
+def no_sky_catalog(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTRUN_SKY_CATALOG_DIR", str(tmp_path / "no-catalogs"))
+
+
+def test_gpt2_dry_run_json(capsys):
+    rc, out = run_json(capsys, ["up", str(GPT2), "--dry-run", "--json"])
+    assert rc == 0
+    for key in ("offers", "chosen", "hours", "cost_usd", "buffer", "budget_usd", "within_budget"):
+        assert key in out
+    assert out["buffer"] == 0.20 and out["budget_usd"] == 250 and out["within_budget"] is True
+    offers = out["offers"]
+    assert {o["provider"] for o in offers} >= {"runpod", "lambda", "vast", "modal"}
+    for o in offers:
+        for key in ("provider", "region", "gpu", "gpus_per_node", "nodes", "spot", "price_per_gpu_hour"):
+            assert key in o
+        assert o["gpu"] == "H100" and o["gpus_per_node"] == 8
+    # Ranked by expected cost; the chosen one is the first.
+    costs = [o["cost_usd"] for o in offers]
+    assert costs == sorted(costs)
+    assert out["chosen"] == offers[0]
+    # Spot only where it is sold (RunPod, Vast); never on Lambda or Modal.
+    assert not any(o["spot"] for o in offers if o["provider"] in ("lambda", "modal"))
+    # The arithmetic: price × GPUs × hours × (1 + buffer).
+    c = out["chosen"]
+    assert out["cost_usd"] == pytest.approx(c["price_per_gpu_hour"] * 8 * out["hours"] * 1.2, rel=1e-3)
+    b = out["breakdown"]
+    compute_h = 6 * b["active_params"] * b["tokens"] / (8 * 989e12 * 0.40) / 3600
+    assert b["compute_hours"] == pytest.approx(compute_h, rel=1e-6)
+    assert out["hours"] >= b["compute_hours"] + b["startup_hours"]
+
+
+def test_over_budget_exit_3(capsys, tmp_path):
+    rc, out = run_json(capsys, ["up", str(job_file(tmp_path, budget__max_usd=5)), "--dry-run", "--json"])
+    assert rc == 3 and out["within_budget"] is False and out["cost_usd"] > 5
+
+
+def test_over_budget_human_message(capsys, tmp_path):
+    rc = main(["up", str(job_file(tmp_path, budget__max_usd=5)), "--dry-run"])
+    assert rc == 3
+    assert "over budget" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("changes,reason", [
+    ({"resources__providers": ["runpod"], "resources__nodes": 2}, "multi-node is not available on runpod"),
+    ({"resources__providers": ["lambda"], "resources__spot": True}, "spot is not available on lambda"),
+    ({"resources__providers": ["modal"], "resources__spot": True}, "spot is not available on modal"),
+    ({"resources__providers": ["vast"], "resources__max_price_per_gpu_hour": 0.5}, "vast has no"),
+])
+def test_no_offer_exit_4_with_reason(capsys, tmp_path, changes, reason):
+    rc, out = run_json(capsys, ["up", str(job_file(tmp_path, **changes)), "--dry-run", "--json"])
+    assert rc == 4
+    assert out["chosen"] is None
+    assert any(reason in r for r in out["refusals"]), out["refusals"]
+
+
+def test_spot_is_cheaper_only_when_priced(capsys, tmp_path):
+    rc, out = run_json(capsys, ["up", str(job_file(tmp_path, resources__spot=True,
+                                                  resources__providers=["vast"])), "--dry-run", "--json"])
+    assert rc == 0
+    o = out["chosen"]
+    assert o["spot"] is True
+    assert "unknown" in o["price_source"]  # the snapshot has no spot price: on-demand upper bound
+    assert out["breakdown"]["preemption_overhead_hours"] > 0
+
+
+def test_sky_catalog_overrides_snapshot_and_zero_spot_is_unknown(capsys, tmp_path, monkeypatch):
+    cat = tmp_path / "catalogs"
+    (cat / "runpod").mkdir(parents=True)
+    (cat / "runpod" / "vms.csv").write_text(
+        "InstanceType,AcceleratorName,AcceleratorCount,vCPUs,MemoryGiB,Region,SpotPrice,Price,AvailabilityZone,GpuInfo\n"
+        "8x_H100_SECURE,H100,8,128,1000,CA,0.0,16.00,CA-MTL-1,H100\n"
+        "8x_H100_SECURE,H100,8,128,1000,US,8.00,17.60,US-TX-3,H100\n"
+    )
+    monkeypatch.setenv("DTRUN_SKY_CATALOG_DIR", str(cat))
+    f = job_file(tmp_path, resources__providers=["runpod"], resources__spot="prefer")
+    rc, out = run_json(capsys, ["up", str(f), "--dry-run", "--json"])
+    assert rc == 0
+    by = {(o["region"], o["spot"]): o for o in out["offers"]}
+    assert by[("CA", False)]["price_per_gpu_hour"] == pytest.approx(2.0)
+    assert "skypilot catalog" in by[("CA", False)]["price_source"]
+    assert by[("US", True)]["price_per_gpu_hour"] == pytest.approx(1.0)
+    # A zero spot price is unknown, never free: priced at on-demand.
+    assert by[("CA", True)]["price_per_gpu_hour"] == pytest.approx(2.0)
+    assert "unknown" in by[("CA", True)]["price_source"]
+
+
+def test_quickstart_dry_run_on_local(capsys):
+    rc, out = run_json(capsys, ["up", str(ROOT / "jobs" / "quickstart.yaml"), "--dry-run", "--json"])
+    assert rc == 0
+    assert out["chosen"]["provider"] == "local" and out["chosen"]["gpu"] == "cpu"
+    assert out["cost_usd"] == 0
+
+
+def test_prices_json(capsys):
+    rc, out = run_json(capsys, ["prices", "H100", "--json"])
+    assert rc == 0
+    provs = {r["provider"] for r in out["prices"]}
+    assert provs == {"runpod", "lambda", "vast", "modal"}
+    assert all(r["gpu"] == "H100" and r["price_source"] for r in out["prices"])
+    caps = out["capabilities"]
+    assert caps["lambda"]["spot"]["supported"] is False and caps["lambda"]["spot"]["reason"]
+    assert caps["lambda"]["multi_node"]["supported"] is True
+    assert caps["runpod"]["multi_node"]["supported"] is False and caps["runpod"]["multi_node"]["reason"]
+    assert caps["vast"]["spot"]["supported"] is True
+
+
+def test_prices_unknown_gpu_exit_2(capsys):
+    assert main(["prices", "H900"]) == 2
+    assert "H900" in capsys.readouterr().err
+
+
+PROBE = ("import sys; from orchestrator.cli import main; rc = main({argv!r}); "
+         "bad = [m for m in ('torch', 'sky', 'boto3', 'botocore', 'modal') if m in sys.modules]; "
+         "print('HEAVY', bad, file=sys.stderr); sys.exit(rc)")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["up", str(GPT2), "--dry-run"], ["prices", "--json"]])
+def test_fast_paths_import_nothing_heavy(argv):
+    p = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert "HEAVY []" in p.stderr, p.stderr
