@@ -12,7 +12,8 @@ the price snapshot spot costs the same as on-demand), so this benchmark pins ``s
 measure what the issue asks: the spot run.
 
 Measured 2026-11-29 on the 2-core dev box (load ~6), 200 runs, seed 0, vast/H100x8/spot $16/h:
-  cost mean $15.20, p50 $13.18, p95 $18.93; expected $15.96 (+5.1 %), buffered $19.16 (≥ p95);
+  cost mean $15.20, p50 $13.18, p95 $18.93; expected $15.05 (−0.9 %), buffered $21.59 (≥ p95)
+  (after the estimate adopted N = λW/(1−λℓ) and the p95-count floor; before: $15.96, $19.16);
   goodput 70.6 % (p5 55.4 %) — 94.9 % counting only paid time after provisioning + setup;
   1.72 attempts, 0.72 preemptions, 168 steps lost per run; 0 orphan instance-seconds;
   Young/Daly (241 steps vs the job's 500): mean $15.14, p95 $18.69; 14-24 s for 200 runs (load).
