@@ -457,7 +457,7 @@ def evaluate_rung(spec: JobSpec, par: Parallel, strategy: str, device: Device,
 
 
 def plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None = None,
-         nodes: int | None = None) -> MemoryPlan:
+         nodes: int | None = None, *, suggest: bool = True) -> MemoryPlan:
     """Evaluate every rung for the job on ``gpu`` × ``gpus_per_node`` × ``nodes`` (defaults:
     ``spec.resources``) and pick the lowest that fits with headroom. With explicit
     ``trainer.parallel`` the plan still evaluates the ladder; ``.strategy`` is the planner's pick,
@@ -506,14 +506,14 @@ def plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None = None
         micro_batch_size=mb,
         notes=notes,
     )
-    if not fits:
+    if not fits and suggest:
         p.suggestion = _suggest(spec, g, gpn, nn)
     return p
 
 
 def _fits_somewhere(spec: JobSpec, gpu: str, gpn: int, nodes: int) -> MemoryPlan | None:
     try:
-        p = plan(spec, gpu=gpu, gpus_per_node=gpn, nodes=nodes)
+        p = plan(spec, gpu=gpu, gpus_per_node=gpn, nodes=nodes, suggest=False)
     except DtrunError:
         return None
     return p if p.fits else None

@@ -1,0 +1,158 @@
+"""Memory planner: shapes, bytes per rank, the ladder choice per preset, suggestions, resolve."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.planner import (
+    DoesNotFit, activation_bytes, param_shapes, plan, resolve_parallel, state_bytes_per_rank,
+)
+from orchestrator.presets import PRESETS, ModelSpec
+from orchestrator.spec import JobSpec, Parallel, parse_spec
+
+
+def job(model="tiny", gpu="H100", gpn=8, nodes=1, seq=1024, bs=64, ac="none", parallel="auto", **trainer):
+    providers = ["local"] if gpu == "cpu" else ["fake"]
+    return parse_spec({
+        "name": "plan-test",
+        "resources": {"providers": providers, "gpu": gpu, "gpus_per_node": gpn, "nodes": nodes},
+        "trainer": {"model": model, "steps": 100, "seq_len": seq, "batch_size": bs,
+                    "activation_checkpointing": ac, "parallel": parallel, **trainer},
+    })
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_param_inventory_matches_preset_count(name):
+    ms = PRESETS[name]
+    assert sum(p.numel for p in param_shapes(ms)) == ms.num_params()
+
+
+def test_uneven_shapes_count_too():
+    ms = ModelSpec(vocab_size=250, d_model=60, n_layers=3, n_heads=3, max_seq_len=100, bias=True,
+                   pos="learned", tie_embeddings=False, mlp="swiglu", d_ff=90)
+    assert sum(p.numel for p in param_shapes(ms)) == ms.num_params()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shards_partition_the_model(world):
+    """Unpadded per-rank bytes over all ranks add up to 16 B/param (AdamW) exactly; padded ≥."""
+    ms = ModelSpec(vocab_size=250, d_model=60, n_layers=2, n_heads=3, max_seq_len=100, bias=True,
+                   pos="learned", d_ff=90)
+    par = Parallel(dp_shard=world)
+    per_rank = [state_bytes_per_rank(ms, par, dp_rank=r) for r in range(world)]
+    assert sum(x["params"] for x in per_rank) == 4 * ms.num_params()
+    assert sum(x["optimizer"] for x in per_rank) == 8 * ms.num_params()
+    padded = state_bytes_per_rank(ms, par, padded=True)
+    assert padded["params"] >= max(x["params"] for x in per_rank)
+    if world > 2:  # 250 vocab rows do not split evenly over 3 or 4 ranks
+        assert padded["params"] * world > 4 * ms.num_params()
+
+
+def test_tp_times_dp_partitions_the_model():
+    ms = PRESETS["tiny"]
+    par = Parallel(dp_shard=2, tp=2)
+    total = sum(state_bytes_per_rank(ms, par, dp_rank=d, tp_rank=t)["params"] for d in range(2) for t in range(2))
+    # Norm weights are replicated over the TP ranks: counted once per TP rank.
+    replicated = sum(p.numel for p in param_shapes(ms) if p.tp_dim is None)
+    assert total == 4 * (ms.num_params() + replicated)
+
+
+def test_activation_checkpointing_shrinks_activations():
+    ms = PRESETS["llama3-8b"]
+    none, sel, full = (activation_bytes(ms, 8192, 1, 2, checkpointing=c) for c in ("none", "selective", "full"))
+    assert full < sel < none
+    assert activation_bytes(ms, 8192, 2, 2) > none  # grows with micro-batch
+    assert activation_bytes(ms, 4096, 1, 2) < none  # and with sequence length
+    assert activation_bytes(ms, 8192, 1, 2, tp=2) < none
+
+
+# The choices a careful engineer makes on H100 80 GB (8 GPUs per node).
+CHOICES = [
+    # (model, nodes, seq, global batch, activation checkpointing) -> acceptable strategies
+    (("gpt2-124m", 1, 1024, 512, "none"), {"ddp"}),
+    (("gpt2-1.5b", 1, 1024, 64, "none"), {"ddp", "fsdp-zero2"}),
+    (("llama3-8b", 1, 8192, 8, "full"), {"fsdp-zero2", "fsdp-zero3"}),
+    (("llama3-8b", 1, 8192, 8, "selective"), {"fsdp-zero2", "fsdp-zero3"}),
+    (("llama3-70b", 4, 8192, 32, "full"), {"fsdp-zero3", "fsdp-zero3+tp2", "fsdp-zero3+tp4", "fsdp-zero3+tp8"}),
+    (("moe-small", 1, 2048, 64, "none"), {"ddp", "fsdp-zero2"}),
+]
+
+
+@pytest.mark.parametrize("args,ok", CHOICES, ids=[f"{a[0]}-{a[1]}n-{a[4]}" for a, _ in CHOICES])
+def test_preset_choice_on_h100(args, ok):
+    model, nodes, seq, bs, ac = args
+    p = plan(job(model, "H100", 8, nodes, seq, bs, ac))
+    assert p.fits, p.to_dict()
+    assert p.strategy in ok, (p.strategy, [(r.strategy, round(r.memory_per_gpu_gb, 1)) for r in p.rungs])
+    assert p.memory_per_gpu_gb <= 80
+    # The chosen rung is the lowest that fits: every rung before it was evaluated and did not fit.
+    idx = [r.strategy for r in p.rungs].index(p.strategy)
+    assert all(not r.fits for r in p.rungs[:idx])
+
+
+def test_70b_on_one_node_does_not_fit_and_says_what_would():
+    p = plan(job("llama3-70b", "H100", 8, 1, 8192, 8, "full"))
+    assert not p.fits
+    assert "nodes" in p.suggestion and "H100" in p.suggestion
+    # the suggested node count really fits
+    import re
+
+    n = int(re.search(r"(\d+) nodes", p.suggestion).group(1))
+    assert plan(job("llama3-70b", "H100", 8, n, 8192, 8 * n, "full")).fits
+
+
+def test_8b_without_checkpointing_needs_tp_or_checkpointing():
+    p = plan(job("llama3-8b", "H100", 8, 1, 8192, 8, "none"))
+    assert p.fits and "+tp" in p.strategy  # sharding alone does not hold 8k-token activations
+    assert p.micro_batch_size == 1
+
+
+def test_small_gpu_too_small_suggests_bigger_gpu():
+    p = plan(job("gpt2-1.5b", "T4", 1, 1, 1024, 8))
+    assert not p.fits
+    assert "GB) × 1 fits" in p.suggestion
+
+
+def test_plan_to_dict_is_json():
+    p = plan(job("gpt2-124m", "H100", 8, 1, 1024, 512))
+    d = json.loads(json.dumps(p.to_dict()))
+    assert d["strategy"] == "ddp" and d["memory_per_gpu_gb"] > 0 and d["fits"] is True
+    assert set(d["breakdown_gb"]) >= {"params", "grads", "optimizer", "activations", "overhead"}
+    assert len(d["rungs"]) >= 3
+
+
+def test_plan_overrides_and_cpu():
+    spec = job("tiny", "cpu", 2, 1, 128, 8)
+    p = plan(spec)
+    assert p.fits and p.strategy == "ddp" and p.gpu_memory_gb is None
+    p2 = plan(job("gpt2-124m", "H100", 8, 1, 1024, 512), gpu="A100", gpus_per_node=4, nodes=2)
+    assert (p2.gpu, p2.gpus_per_node, p2.nodes) == ("A100", 4, 2)
+
+
+def test_resolve_parallel_auto_gets_the_planners_degrees():
+    spec = job("llama3-8b", "H100", 8, 1, 8192, 8, "none")
+    out = resolve_parallel(spec)
+    assert out.trainer.parallel != "auto"
+    p = plan(spec)
+    assert out.trainer.parallel.tp == p.parallel.tp and out.parallel_degrees.dp_shard * out.trainer.parallel.tp == 8
+    assert out.trainer.micro_batch_size == 1  # TP keeps the planned micro-batch (grad accumulation)
+    assert spec.trainer.parallel == "auto"  # the input is not modified
+    assert isinstance(out, JobSpec)
+
+
+def test_resolve_parallel_explicit_unchanged_and_no_fit_raises():
+    spec = job("tiny", "H100", 8, 1, 128, 8, parallel={"tp": 2})
+    assert resolve_parallel(spec).trainer.parallel == spec.trainer.parallel
+    with pytest.raises(DoesNotFit, match="does not fit"):
+        resolve_parallel(job("llama3-70b", "H100", 8, 1, 8192, 8, "full"))
+
+
+def test_planner_and_traps_import_no_torch():
+    code = ("import sys, orchestrator.planner, orchestrator.traps; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
