@@ -78,8 +78,12 @@ def build_optimizer(model: nn.Module, cfg: Any, device: torch.device) -> torch.o
         {"params": mats + decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # foreach on CPU and CUDA; fused needs every param on one device type (true) but not DTensor-safe everywhere.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), foreach=True)
+    # foreach (multi-tensor) kernels cannot mix DTensors and plain tensors (e.g. TP without FSDP
+    # leaves the norms plain): fall back to the per-parameter loop then.
+    from torch.distributed.tensor import DTensor
+
+    kinds = {isinstance(p, DTensor) for p in model.parameters()}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), foreach=len(kinds) == 1)
 
 
 # ---- Muon --------------------------------------------------------------------------------------

@@ -216,7 +216,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, *, device:
             block.compile()
     if meshes.fsdp is not None:
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
-        ignored = set(expert_params(model))
+        # Expert-parallel experts live on the expert mesh (gradients: finish_expert_grads); with
+        # ep = 1 they are ordinary parameters, sharded and reduced by FSDP like the rest.
+        ignored = set(expert_params(model)) if meshes.expert is not None else set()
         for block in model.layers.values():
             own = {p for p in block.parameters() if p in ignored}
             fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=reshard_after_forward,

@@ -1,4 +1,4 @@
-"""FSDP2 (world 2), TP 2, dp2×tp2 (world 4) and EP 2 under real torchrun/gloo compute the same
+"""FSDP2 (world 2, MoE with ep 1), TP 2, dp2×tp2 (world 4) and EP 2 under real torchrun/gloo compute the same
 training run as one process: their per-step losses match a world-1 run of the same job."""
 
 from __future__ import annotations
@@ -46,17 +46,18 @@ def test_reference_runs_train_with_muon(refs):
 
 
 def test_fsdp2_world2_matches_world1(trainer, tmp_path, refs):
+    # The MoE model with ep = 1: experts are ordinary FSDP-sharded parameters here.
     uri = f"file://{tmp_path}/fsdp"
-    job = trainer.job("fsdp", nproc=2, run_uri=uri, model=DENSE, steps=STEPS, optimizer="muon",
+    job = trainer.job("fsdp", nproc=2, run_uri=uri, model=MOE, steps=STEPS, optimizer="muon",
                       activation_checkpointing="selective")
     rc, log = trainer.run(job, 2)
     assert rc == 0, log[-3000:]
-    _check_matches(refs["dense"], losses(uri))
+    _check_matches(refs["moe"], losses(uri))
     done = runuri.read_json(runuri.join(uri, "DONE"))
     assert done["step"] == STEPS and done["param_digest"]
     # Each rank holds half of the parameters (FSDP2 shards), summing to the model exactly.
     per_rank = done["state_bytes_per_rank"]
-    n = ModelSpec(**DENSE).num_params()
+    n = ModelSpec(**MOE).num_params()
     assert sum(r["params"] for r in per_rank) == 4 * n
     assert all(r["params"] < 4 * n * 0.6 for r in per_rank)
     assert all(r["grads"] == r["params"] for r in per_rank)
