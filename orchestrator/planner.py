@@ -110,7 +110,9 @@ def param_shapes(ms: ModelSpec) -> list[ParamShape]:
         if ms.norm == "layernorm" and ms.bias:
             out.append(ParamShape(f"{prefix}.bias", (dim,), None, unit))
 
-    out.append(ParamShape("tok_embeddings.weight", (V, d), 0, "root"))
+    # trainer/parallel.py: the embedding is row-wise and the head column-wise over TP only when
+    # untied; a tied embedding stays replicated over TP (sharded by FSDP over dp).
+    out.append(ParamShape("tok_embeddings.weight", (V, d), None if ms.tie_embeddings else 0, "root"))
     if ms.pos == "learned":
         out.append(ParamShape("pos_embeddings.weight", (ms.max_seq_len, d), None, "root"))
     for i in range(ms.n_layers):
@@ -132,13 +134,15 @@ def param_shapes(ms: ModelSpec) -> list[ParamShape]:
             assert ms.moe is not None
             E, h = ms.moe.n_experts, ms.expert_dim
             out.append(ParamShape(f"{u}.moe.router.weight", (E, d), None, u))
-            # trainer/model.py Experts: w1/w3 (E, d, hidden), w2 (E, hidden, d), biases b1/b3 (E, hidden), b2 (E, d)
+            # trainer/model.py Experts: w1/w3 (E, d, hidden), w2 (E, hidden, d), biases b1/b3
+            # (E, hidden), b2 (E, d). The trainer does not split experts over TP (replicated there);
+            # expert parallel splits dim 0 (the expert index).
             for nm in up:
-                out.append(ParamShape(f"{u}.moe.experts.{nm}", (E, d, h), 2, u, expert=True, matrix=True))
-            out.append(ParamShape(f"{u}.moe.experts.w2", (E, h, d), 1, u, expert=True, matrix=True))
+                out.append(ParamShape(f"{u}.moe.experts.{nm}", (E, d, h), None, u, expert=True, matrix=True))
+            out.append(ParamShape(f"{u}.moe.experts.w2", (E, h, d), None, u, expert=True, matrix=True))
             if ms.bias:
                 for nm in ("b1", "b3") if ms.mlp == "swiglu" else ("b1",):
-                    out.append(ParamShape(f"{u}.moe.experts.{nm}", (E, h), 1, u, expert=True))
+                    out.append(ParamShape(f"{u}.moe.experts.{nm}", (E, h), None, u, expert=True))
                 out.append(ParamShape(f"{u}.moe.experts.b2", (E, d), None, u, expert=True))
         else:
             h = ms.ff_dim
@@ -169,9 +173,11 @@ def _padded(n: int, parts: int) -> int:
 
 def _local_shape(p: ParamShape, par: Parallel, dp_rank: int, tp_rank: int, ep_rank: int,
                  padded: bool) -> tuple[int, ...]:
-    """Shape of this rank's shard: TP first (its dim), EP on the expert dim, then FSDP on dim 0
-    over the data-parallel ranks (dp / ep of them for expert weights: the others hold other
-    experts). DDP (replicate) keeps the TP/EP-local tensor whole."""
+    """Shape of this rank's shard, as trainer/parallel.py lays it out: TP first (its dim), then
+    FSDP2 on dim 0 of the TP-local tensor over the data-parallel ranks. Expert weights under
+    expert parallel are DTensors ``[Replicate(), Shard(0)]`` on the (dp/ep, ep) expert mesh and
+    FSDP ignores them: E/ep whole experts per rank. DDP (replicate: HSDP with a shard group of
+    one) keeps the TP-local tensor whole."""
     dp = par.dp_shard
     shape = list(p.shape)
     split = _padded if padded else None
@@ -181,12 +187,11 @@ def _local_shape(p: ParamShape, par: Parallel, dp_rank: int, tp_rank: int, ep_ra
 
     if par.tp > 1 and p.tp_dim is not None and not (p.expert and par.ep > 1):
         shape[p.tp_dim] = cut(shape[p.tp_dim], par.tp, tp_rank)
-    fsdp_parts, fsdp_idx = dp, dp_rank
     if p.expert and par.ep > 1:
         shape[0] = cut(shape[0], par.ep, ep_rank)
-        fsdp_parts, fsdp_idx = dp // par.ep, dp_rank // par.ep
-    if not par.replicate and fsdp_parts > 1:
-        shape[0] = cut(shape[0], fsdp_parts, fsdp_idx)
+        return tuple(shape)
+    if not par.replicate and dp > 1:
+        shape[0] = cut(shape[0], dp, dp_rank)
     return tuple(shape)
 
 
@@ -213,7 +218,14 @@ def state_bytes_per_rank(ms: ModelSpec, par: Parallel, *, dp_rank: int = 0, tp_r
     for p in param_shapes(ms):
         n = _numel(_local_shape(p, par, dp_rank, tp_rank, ep_rank, padded))
         params += master_bytes * n
-        grads += grad_bytes * n
+        if par.tp > 1 and par.dp_shard == 1 and p.name == "tok_embeddings.weight" and p.tp_dim is not None:
+            # Without FSDP, the row-wise (vocab-sharded) embedding's gradient comes back from
+            # torch's embedding backward as a Replicate DTensor: every TP rank holds all of it
+            # (measured: torch 2.13, tests/trainer/test_planner_exact.py). FSDP's reduce-scatter
+            # shards it again when dp > 1.
+            grads += grad_bytes * p.numel
+        else:
+            grads += grad_bytes * n
         if optimizer == "muon" and p.matrix:
             opt += 4 * n  # momentum buffer (fp32)
         else:
@@ -385,6 +397,10 @@ def _candidate_rungs(spec: JobSpec, n: int, gpus_per_node: int) -> list[tuple[st
                 note = f"tp {tp} does not divide {n} GPUs"
             elif ms.n_heads % tp or ms.kv_heads % tp:
                 note = f"tp {tp} does not divide the heads ({ms.n_heads} q, {ms.kv_heads} kv)"
+            elif ep > 1 and tp > 1:
+                note = "the bundled trainer does not combine ep and tp"
+            elif tp > 1 and ms.ff_dim % tp:
+                note = f"tp {tp} does not divide the feed-forward size {ms.ff_dim}"
             elif ep > 1 and dp % ep:
                 note = f"ep {ep} does not divide the data-parallel degree {dp}"
             elif t.batch_size % dp:
@@ -427,16 +443,17 @@ def evaluate_rung(spec: JobSpec, par: Parallel, strategy: str, device: Device,
 
     # Parameters/gradients in flight (unsharded, compute dtype), by FSDP unit.
     units: dict[str, int] = {}
+    whole = Parallel(dp_shard=1, tp=par.tp, ep=1, replicate=True)
     for p in param_shapes(ms):
-        shard = Parallel(dp_shard=1, tp=par.tp, ep=par.ep, replicate=True)
-        units[p.unit] = units.get(p.unit, 0) + _numel(_local_shape(p, shard, 0, 0, 0, True))
+        if p.expert and par.ep > 1:
+            continue  # expert-parallel experts are local and never gathered
+        units[p.unit] = units.get(p.unit, 0) + _numel(_local_shape(p, whole, 0, 0, 0, True))
     total_local = sum(units.values())
     blocks = [v for k, v in units.items() if k != "root"] or [0]
     biggest = max(blocks)
-    if par.replicate or dp == 1:
-        # DDP/single: weights are whole; under autocast the bf16 casts are cached for the
-        # forward, and DDP's gradient buckets hold a second copy of the gradients.
-        gathered = (elem * total_local if mixed else 0) + (4 * total_local if dp > 1 else 0)
+    if dp == 1:
+        # One rank: whole weights, no FSDP; a bf16 copy of the weights if cast for compute.
+        gathered = elem * total_local if mixed else 0
     elif not par.reshard_after_forward:
         gathered = elem * total_local + (elem + 4) * biggest
     else:

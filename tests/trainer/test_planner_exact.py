@@ -1,0 +1,64 @@
+"""The planner's parameter, gradient and optimizer-state bytes per rank equal what the real
+trainer's sharded tensors hold on each rank (torchrun + gloo on CPU, fp32: 4 + 4 + 8 B/param).
+
+The trainer reports, in DONE, ``state_bytes_per_rank`` from ``trainer.parallel.sharded_state_bytes``
+(DTensor ``to_local()`` bytes after the last optimizer step: unpadded shards, AdamW's 0-dim
+``step`` counters included). The planner's :func:`state_bytes_per_rank` with ``padded=False`` and
+``count_step_scalars=True`` must match it exactly, for every rank; with ``padded=True`` (what the
+plan's headline uses: FSDP2 pads dim 0 to equal chunks) it equals rank 0's shard, which is
+always a full chunk.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator import runuri
+from orchestrator.planner import state_bytes_per_rank
+from orchestrator.presets import ModelSpec
+from orchestrator.spec import Parallel
+
+# Uneven on purpose: 250 vocab rows and 90 learned positions do not split evenly over 4 ranks
+# (FSDP2 chunks 63/63/63/61 and 23/23/23/21), biases and LayerNorm biases included.
+UNEVEN = {"vocab_size": 250, "d_model": 48, "n_layers": 2, "n_heads": 4, "max_seq_len": 90,
+          "pos": "learned", "bias": True, "d_ff": 100}
+# Every TP path: untied head/embedding, QK-norm, SwiGLU, RMSNorm, grouped-query attention.
+DENSE = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+         "max_seq_len": 128, "qk_norm": True, "tie_embeddings": False, "mlp": "swiglu", "norm": "rmsnorm"}
+MOE = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 128,
+       "moe": {"n_experts": 4, "top_k": 2, "capacity_factor": 4.0, "balance": "bias"}}
+
+CASES = [
+    # id, nproc, model, parallel, optimizer
+    ("fsdp-world2", 2, UNEVEN, {"dp_shard": 2}, "adamw"),
+    ("fsdp-world4-uneven", 4, UNEVEN, {"dp_shard": 4}, "adamw"),
+    ("tp2", 2, DENSE, {"dp_shard": 1, "tp": 2}, "adamw"),
+    ("fsdp2xtp2-muon", 4, DENSE, {"dp_shard": 2, "tp": 2}, "muon"),
+    ("ep2", 2, MOE, {"dp_shard": 2, "ep": 2}, "adamw"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,nproc,model,parallel,opt", CASES, ids=[c[0] for c in CASES])
+def test_planner_bytes_equal_trainer_shards(trainer, tmp_path, name, nproc, model, parallel, opt):
+    uri = "file://" + str(tmp_path / "run")
+    job = trainer.job(name, nproc=nproc, run_uri=uri, model=model, parallel=parallel, steps=2, every=2,
+                      optimizer=opt)
+    rc, out = trainer.run(job, nproc)
+    assert rc == 0, out[-3000:]
+    done = runuri.read_json(runuri.join(uri, runuri.DONE))
+    measured = done["state_bytes_per_rank"]
+    assert len(measured) == nproc
+
+    ms = ModelSpec.model_validate(model)
+    par = Parallel(**{"dp_shard": nproc, **parallel})
+    tp, ep = par.tp, par.ep
+    for rank, got in enumerate(measured):
+        want = state_bytes_per_rank(ms, par, dp_rank=rank // tp, tp_rank=rank % tp, ep_rank=rank % ep,
+                                    optimizer=opt, count_step_scalars=True)
+        assert {k: got[k] for k in ("params", "grads", "optimizer")} == want, (rank, got, want)
+    padded = state_bytes_per_rank(ms, par, optimizer=opt, padded=True, count_step_scalars=True)
+    assert padded["params"] == measured[0]["params"]
+    assert padded["params"] >= max(m["params"] for m in measured)
+    if name == "fsdp-world4-uneven":
+        assert len({m["params"] for m in measured}) > 1  # the uneven split really is uneven
