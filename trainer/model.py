@@ -118,15 +118,18 @@ class Experts(nn.Module):
             self.b1 = self.b2 = self.b3 = None
 
     @staticmethod
-    def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    def _local(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
         if t is None:
             return None
-        return t.to_local() if hasattr(t, "to_local") else t
+        t = t.to_local() if hasattr(t, "to_local") else t
+        # Expert-parallel weights are outside FSDP's mixed precision: compute in the input's dtype.
+        return t.to(dtype)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``x`` holds tokens grouped by local expert, ``counts[e]`` of them for expert ``e``."""
-        w1, w2, w3 = self._local(self.w1), self._local(self.w2), self._local(self.w3)
-        b1, b2, b3 = self._local(self.b1), self._local(self.b2), self._local(self.b3)
+        dt = x.dtype
+        w1, w2, w3 = self._local(self.w1, dt), self._local(self.w2, dt), self._local(self.w3, dt)
+        b1, b2, b3 = self._local(self.b1, dt), self._local(self.b2, dt), self._local(self.b3, dt)
         outs = []
         for e, xe in enumerate(torch.split(x, counts)):
             h = xe @ w1[e]

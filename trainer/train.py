@@ -196,6 +196,8 @@ class Run:
         param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision) if on_gpu else None
         if on_gpu:
             torch.backends.cuda.matmul.allow_tf32 = True
+            if t.precision == "fp16" and self.rank == 0:
+                log.warning("precision fp16 runs without loss scaling; bf16 is the safe choice on A100 or newer")
 
         meshes = build_meshes(dims, device.type)
         model = build_model(ms, device="meta")
@@ -211,6 +213,7 @@ class Run:
         model.init_weights(t.seed)
         model.train()
         params = list(model.parameters())
+        fsdp_root = meshes.fsdp is not None
         optimizer = build_optimizer(model, t, device)
 
         dp_rank = dims.dp_rank(self.rank)
@@ -262,7 +265,9 @@ class Run:
                     g["lr"] = lr
                 loss_acc = torch.zeros((), device=device)
                 accum = loader.accum_steps
-                for x, y in loader.batches(step):
+                for m_i, (x, y) in enumerate(loader.batches(step)):
+                    if fsdp_root and accum > 1:  # reduce-scatter once, after the last micro-batch
+                        model.set_requires_gradient_sync(m_i == accum - 1)
                     loss, ce = loss_fn(model(x), y, t.z_loss)
                     aux = model.aux_loss()
                     if aux is not None:

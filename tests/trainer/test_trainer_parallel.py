@@ -49,7 +49,7 @@ def test_fsdp2_world2_matches_world1(trainer, tmp_path, refs):
     # The MoE model with ep = 1: experts are ordinary FSDP-sharded parameters here.
     uri = f"file://{tmp_path}/fsdp"
     job = trainer.job("fsdp", nproc=2, run_uri=uri, model=MOE, steps=STEPS, optimizer="muon",
-                      activation_checkpointing="selective")
+                      activation_checkpointing="selective", micro_batch_size=1)  # 2 accumulation steps
     rc, log = trainer.run(job, 2)
     assert rc == 0, log[-3000:]
     _check_matches(refs["moe"], losses(uri))
