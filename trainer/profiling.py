@@ -1,0 +1,301 @@
+"""A short profiled run: where the time goes, tokens/s, MFU and a verdict.
+
+Run under torchrun like the trainer (``dtrun profile JOB`` does it)::
+
+    torchrun --standalone --nproc-per-node N -m trainer.profiling --job JOB.yaml --run-uri URI \
+        --profile-steps 10 --result breakdown.json
+
+It builds the job exactly as the trainer does (``trainer.model`` / ``trainer.parallel`` /
+``trainer.optim`` / ``trainer.data``), runs one un-profiled warm-up step, then ``--profile-steps``
+steps under ``torch.profiler`` with one checkpoint save in the middle (the trainer's
+``CheckpointManager``, to a scratch folder that is deleted afterwards), and splits rank 0's wall
+time into:
+
+* **data** — ``dtrun/data`` ranges (fetching and moving the micro-batches);
+* **communication** — collective ops on the training thread (FSDP all-gather / reduce-scatter,
+  all-reduce, all-to-all, barrier and waits on them), merged so overlaps count once;
+* **compute** — forward, backward and optimizer ranges minus the communication inside them;
+* **checkpoint stall** — ``dtrun/checkpoint`` ranges (staging for async saves; the whole save
+  for sync);
+* **idle** — the rest of the wall time (logging, Python, waiting on stragglers).
+
+On GPU the split is of host wall time with a device synchronise at the end of every step (kernel
+time is in compute unless a collective blocks). Traces (Chrome JSON, one per rank) and the
+breakdown go to ``<run-uri>/profile/``. MFU = achieved FLOP/s (``ModelSpec.flops_per_token``) over
+the ranks' peak (the GPU's data-sheet bf16 peak; on CPU, ``orchestrator.gpus``' nominal CPU figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+from orchestrator import runuri
+
+PROFILE_DIR = "profile"
+MFU_VERDICT_THRESHOLD = 0.30
+VERDICT_LOW = "MFU below 30%: communication- or dataloader-bound; fix before scaling"
+
+_COMM_MARKERS = ("all_gather", "allgather", "reduce_scatter", "reducescatter", "all_reduce", "allreduce",
+                 "broadcast", "all_to_all", "alltoall", "barrier", "c10d::", "gloo:", "nccl:", "wait_tensor",
+                 "record_param_comms")
+
+
+def is_comm(name: str) -> bool:
+    low = name.lower()
+    return any(m in low for m in _COMM_MARKERS)
+
+
+def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def total(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the overlap of two merged interval lists."""
+    i = j = 0
+    acc = 0.0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if e > s:
+            acc += e - s
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return acc
+
+
+def breakdown_from_events(events: list[Any], wall_us: float) -> dict[str, float]:
+    """Seconds per category from profiler FunctionEvents of this process (see module docstring)."""
+    ranges: dict[str, list[tuple[float, float]]] = {"data": [], "compute": [], "checkpoint": []}
+    comm: list[tuple[float, float]] = []
+    main_threads = {ev.thread for ev in events if ev.name.startswith("dtrun/")}
+    for ev in events:
+        tr = ev.time_range
+        iv = (float(tr.start), float(tr.end))
+        if ev.name == "dtrun/data":
+            ranges["data"].append(iv)
+        elif ev.name in ("dtrun/forward_backward", "dtrun/optimizer"):
+            ranges["compute"].append(iv)
+        elif ev.name == "dtrun/checkpoint":
+            ranges["checkpoint"].append(iv)
+        elif ev.thread in main_threads and is_comm(ev.name):
+            comm.append(iv)
+    comm_m = merge(comm)
+    compute_m = merge(ranges["compute"])
+    data_m, ckpt_m = merge(ranges["data"]), merge(ranges["checkpoint"])
+    comm_in_compute = intersect(comm_m, compute_m)
+    comm_s = (comm_in_compute + intersect(comm_m, merge(data_m + ckpt_m))) / 1e6
+    comm_s = min(comm_s, total(comm_m) / 1e6)
+    compute_s = max(0.0, total(compute_m) - comm_in_compute) / 1e6
+    data_s = total(data_m) / 1e6
+    ckpt_s = total(ckpt_m) / 1e6
+    wall_s = wall_us / 1e6
+    idle_s = max(0.0, wall_s - compute_s - comm_s - data_s - ckpt_s)
+    return {"compute": compute_s, "communication": comm_s, "data": data_s, "checkpoint_stall": ckpt_s,
+            "idle": idle_s, "wall": wall_s}
+
+
+def verdict(mfu: float | None, shares: dict[str, float]) -> str:
+    if mfu is None:
+        return "MFU unknown (no peak FLOP/s for this device)"
+    if mfu < MFU_VERDICT_THRESHOLD:
+        worst = max(("communication", "data", "checkpoint_stall", "idle"), key=lambda k: shares.get(k, 0.0))
+        return f"{VERDICT_LOW} (largest non-compute share: {worst} {shares.get(worst, 0.0):.0%})"
+    return f"MFU {mfu:.0%} ≥ 30%: compute-bound; scaling out is reasonable"
+
+
+def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from orchestrator.gpus import GPUS
+    from orchestrator.spec import load_spec
+    from trainer.checkpoint import CheckpointManager
+    from trainer.data import DataLoader, build_source
+    from trainer.metrics import peak_flops
+    from trainer.model import build_model, loss_fn
+    from trainer.optim import build_optimizer, lr_at
+    from trainer.parallel import ParallelDims, build_meshes, clip_grad_norm_, finish_expert_grads, parallelize
+
+    spec = load_spec(job)
+    uri = run_uri or spec.run_uri
+    t = spec.trainer
+    ms = t.model_spec
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dims = ParallelDims.from_spec(spec, world)
+    dims.validate(ms)
+    mb = t.micro_batch_size or t.batch_size // dims.dp
+    use_cuda = torch.cuda.is_available() and spec.resources.gpu != "cpu"
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo",
+                                device_id=device if use_cuda else None)
+    try:
+        torch.manual_seed(t.seed + rank)
+        param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision) if use_cuda else None
+        meshes = build_meshes(dims, device.type)
+        model = build_model(ms, device="meta")
+        raf = t.parallel.reshard_after_forward if t.parallel != "auto" else True
+        parallelize(model, dims, meshes, device=device, activation_checkpointing=t.activation_checkpointing,
+                    compile=t.compile and use_cuda, fp8=t.fp8, param_dtype=param_dtype, reshard_after_forward=raf)
+        model.to_empty(device=device)
+        if ms.tie_embeddings and model.head.weight is not model.tok_emb.weight:
+            model.head.weight = model.tok_emb.weight
+        model.init_weights(t.seed)
+        model.train()
+        params = list(model.parameters())
+        optimizer = build_optimizer(model, t, device)
+        dp_rank = dims.dp_rank(rank)
+        loader = DataLoader(build_source(t.data, t.seq_len, ms.vocab_size, t.seed), global_batch=t.batch_size,
+                            micro_batch=mb, dp_rank=dp_rank, dp=dims.dp, device=device)
+        scratch = runuri.join(uri, PROFILE_DIR, "scratch-checkpoint")
+        ckpt = CheckpointManager(scratch, keep=2, async_mode=spec.checkpoint.async_mode, rank=rank,
+                                 world_size=world, dp_rank=dp_rank, describe={})
+
+        def sync() -> None:
+            if use_cuda:
+                torch.cuda.synchronize()
+
+        def one_step(step: int, save: bool) -> float:
+            lr = lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=steps + 1,
+                       min_lr_ratio=t.min_lr_ratio)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            accum = loader.accum_steps
+            loss_val = torch.zeros((), device=device)
+            it = iter(loader.batches(step))
+            while True:
+                with record_function("dtrun/data"):
+                    batch = next(it, None)
+                if batch is None:
+                    break
+                x, y = batch
+                with record_function("dtrun/forward_backward"):
+                    loss, ce = loss_fn(model(x), y, t.z_loss)
+                    aux = model.aux_loss()
+                    if aux is not None:
+                        loss = loss + aux
+                    (loss / accum).backward()
+                    loss_val += ce.detach() / accum
+            with record_function("dtrun/optimizer"):
+                finish_expert_grads(model, dims, meshes)
+                clip_grad_norm_(params, t.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                sync()
+            loader.advance(step)
+            if save:
+                with record_function("dtrun/checkpoint"):
+                    sd = ckpt.state_dict(model, optimizer, loader, {"step": step + 1, "tokens": 0, "loss": 0.0})
+                    ckpt.save(step + 1, sd, {"tokens": 0, "loss": 0.0})
+                    sync()
+            return float(loss_val)
+
+        one_step(0, save=False)  # warm-up: allocations, first all-gathers, lazy init
+        if dist.is_initialized():
+            dist.barrier()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
+        with profile(activities=activities, record_shapes=False, with_stack=False) as prof:
+            t0 = time.perf_counter()
+            for s in range(1, steps + 1):
+                last_loss = one_step(s, save=(s == max(1, steps // 2)))
+            sync()
+            wall = time.perf_counter() - t0
+        ckpt.wait()
+        ckpt.close()
+
+        trace_uri = runuri.join(uri, PROFILE_DIR, f"trace-rank{rank}.json")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            _upload(path, trace_uri)
+        parts = breakdown_from_events(list(prof.events()), wall * 1e6)
+        tokens_per_s = t.tokens_per_step * steps / wall
+        peak = peak_flops(device.type) or (GPUS["cpu"].peak_bf16_flops if device.type == "cpu" else None)
+        mfu = (ms.flops_per_token(t.seq_len) * tokens_per_s / (world * peak)) if peak else None
+        shares = {k: v / parts["wall"] for k, v in parts.items() if k != "wall"} if parts["wall"] else {}
+        result = {
+            "steps": steps, "world_size": world, "device": device.type,
+            "parallel": {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate},
+            "seconds": {k: round(v, 4) for k, v in parts.items()},
+            "shares": {k: round(v, 4) for k, v in shares.items()},
+            "step_seconds": round(wall / steps, 4),
+            "tokens_per_s": round(tokens_per_s, 1),
+            "mfu": None if mfu is None else round(mfu, 4),
+            "peak_flops_per_rank": peak,
+            "peak_note": "nominal CPU figure (orchestrator.gpus 'cpu')" if device.type == "cpu" else "data-sheet bf16",
+            "loss": last_loss,
+            "verdict": verdict(mfu, shares),
+            "trace_uris": [runuri.join(uri, PROFILE_DIR, f"trace-rank{r}.json") for r in range(world)],
+            "breakdown_uri": runuri.join(uri, PROFILE_DIR, "breakdown.json"),
+        }
+        if dist.is_initialized():
+            dist.barrier()  # every rank's trace is uploaded
+        if rank == 0:
+            runuri.write_json(result["breakdown_uri"], result)
+            runuri.remove(scratch, recursive=True)
+        return result
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _upload(local: str, uri: str) -> None:
+    lp = runuri.local_path(uri)
+    if lp is not None:
+        import shutil
+
+        os.makedirs(os.path.dirname(lp), exist_ok=True)
+        shutil.copyfile(local, lp)
+        return
+    fs, path = runuri._fs(uri)
+    fs.put_file(local, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.profiling", allow_abbrev=False)
+    p.add_argument("--job", required=True)
+    p.add_argument("--run-uri", dest="run_uri", default=None)
+    p.add_argument("--profile-steps", dest="profile_steps", type=int, default=10)
+    p.add_argument("--result", dest="result", default=None)
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    from trainer.errors import ConfigError
+
+    try:
+        res = run(a.job, a.run_uri, max(1, a.profile_steps))
+    except ConfigError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"dtrun profile: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        line = json.dumps(res)
+        print("PROFILE " + line, flush=True)
+        if a.result:
+            with open(a.result, "w") as f:
+                f.write(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
