@@ -53,7 +53,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
-from orchestrator.errors import DtrunError, EXIT_INVALID
+from orchestrator.errors import EXIT_INVALID, DtrunError, SpecError
 from orchestrator.gpus import GPUS, canonical_gpu
 from orchestrator.presets import ModelSpec
 from orchestrator.spec import JobSpec, Parallel
@@ -502,8 +502,9 @@ def plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None = None
     if device == "cpu":
         notes.append("CPU ranks: host memory is not checked; the lowest rung is chosen")
     if not evaluated:
-        raise DtrunError(
-            f"no parallel layout is valid for {n} GPUs: " + "; ".join(f"{x.strategy}: {x.note}" for x in rungs))
+        raise SpecError(
+            f"trainer.parallel: no parallel layout is valid for {n} GPUs: "
+            + "; ".join(f"{x.strategy}: {x.note}" for x in rungs))
     chosen = next((x for x in evaluated if x.fits), None)
     fits = chosen is not None
     if chosen is None:

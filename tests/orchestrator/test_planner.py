@@ -156,3 +156,12 @@ def test_planner_and_traps_import_no_torch():
             "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_no_valid_layout_is_a_spec_error():
+    from orchestrator.errors import EXIT_INVALID, SpecError
+
+    spec = job("tiny", "H100", 3, 1, 128, 8)  # batch 8 does not split over 3 GPUs; auto cannot help
+    with pytest.raises(SpecError, match="batch_size 8 not divisible") as ei:
+        plan(spec)
+    assert ei.value.exit_code == EXIT_INVALID

@@ -35,6 +35,7 @@ CASES = [
     ("tp2", 2, DENSE, {"dp_shard": 1, "tp": 2}, "adamw"),
     ("fsdp2xtp2-muon", 4, DENSE, {"dp_shard": 2, "tp": 2}, "muon"),
     ("ep2", 2, MOE, {"dp_shard": 2, "ep": 2}, "adamw"),
+    ("ddp-world2", 2, UNEVEN, {"dp_shard": 2, "replicate": True}, "adamw"),  # what auto picks for small jobs
 ]
 
 
