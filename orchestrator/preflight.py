@@ -33,7 +33,7 @@ from orchestrator.spec import JobSpec
 DEFAULT_NPROC = 2
 DEFAULT_TIMEOUT_S = 300.0
 
-_EXIT_BY_PROBLEM = {"credentials": EXIT_PROVIDER, "resharding": EXIT_JOB_FAILED}
+_EXIT_BY_PROBLEM = {"credentials": EXIT_PROVIDER, "restore": EXIT_JOB_FAILED, "resharding": EXIT_JOB_FAILED}
 
 
 class PreflightError(DtrunError):

@@ -12,7 +12,7 @@ Run under torchrun (every rank takes part; gloo on CPU)::
 3. every rank restores it twice and compares bit for bit: into the same sharded layout, and
    *resharded* into whole (unsharded) tensors — what a resume on another node count does;
 4. rank 0 deletes the preflight folder and writes the verdict (JSON) to ``--result``:
-   ``{"ok": bool, "problem": null|"bucket"|"credentials"|"endpoint"|"storage"|"resharding",
+   ``{"ok": bool, "problem": null|"bucket"|"credentials"|"endpoint"|"storage"|"restore"|"resharding",
    "message": str, "seconds": float, "world_size": int, "uri": str}``.
 
 Exit 0 when the round trip is exact, 2 when it is not (the message names the problem).
@@ -129,7 +129,7 @@ def _roundtrip(uri: str, rank: int, world: int) -> tuple[str, str] | None:
         return problem, msg
     bad = [k for k in sd if not torch.equal(local(same[k]), local(sd[k]))]
     if bad:
-        return "resharding", (f"restoring the checkpoint into the same layout changed {len(bad)} tensors "
+        return "restore", (f"restoring the checkpoint into the same layout changed {len(bad)} tensors "
                               f"(first: {bad[0]}): the storage returned different bytes")
     for k, v in sd.items():
         full = v.full_tensor() if isinstance(v, DTensor) else v
@@ -183,7 +183,7 @@ def run(uri: str) -> dict[str, Any]:
                 every: list[Any] = [None] * world
                 dist.all_gather_object(every, verdict)
                 verdict = next((v for v in every if v is not None), None)
-        if rank == 0 and (verdict is None or verdict[0] == "resharding"):
+        if rank == 0 and (verdict is None or verdict[0] in ("restore", "resharding")):
             try:
                 runuri.remove(folder, recursive=True)
             except Exception:  # noqa: BLE001 - leftover preflight files are harmless; the verdict stands

@@ -77,3 +77,36 @@ def test_round_trip_against_a_real_bucket(s3_bucket):
     assert res.ok and res.world_size == 2 and "resharded" in res.message
     # the preflight cleans up after itself
     assert runuri.list_dir(runuri.join(uri, "preflight")) == []
+
+
+@pytest.mark.parametrize("bad_call,problem", [(1, "restore"), (2, "resharding")])
+def test_a_restore_that_changes_values_is_reported(tmp_path, monkeypatch, bad_call, problem):
+    """A checkpoint that does not restore to the saved values (DCP's load patched to perturb one
+    tensor: in the same-layout restore, or in the resharded one) is reported as such, naming the
+    tensor; the preflight folder is cleaned up."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from orchestrator import runuri
+    from trainer import preflight
+
+    real_load = dcp.load
+    calls = []
+
+    def corrupting_load(state_dict, **kw):
+        real_load(state_dict, **kw)
+        calls.append(1)
+        if len(calls) != bad_call:
+            return
+        first = next(iter(state_dict.values()))
+        (first.to_local() if hasattr(first, "to_local") else first).add_(torch.ones_like(
+            first.to_local() if hasattr(first, "to_local") else first))
+
+    monkeypatch.setattr(dcp, "load", corrupting_load)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    uri = "file://" + str(tmp_path / "run")
+    verdict = preflight.run(uri)
+    assert not verdict["ok"] and verdict["problem"] == problem
+    assert "model." in verdict["message"]
+    assert runuri.list_dir(runuri.join(uri, "preflight")) == []
