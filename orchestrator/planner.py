@@ -5,12 +5,18 @@ Pure Python (no torch): the dry run calls :func:`plan` on every invocation.
 The ladder (lowest first; the planner picks the lowest rung that fits)::
 
     single        one GPU, nothing to distribute
-    ddp           replicate everything, all-reduce gradients
+    ddp           replicate everything, all-reduce gradients (the trainer: HSDP with a shard group
+                  of one, ``parallel: {replicate: true}``)
     fsdp-zero2    FSDP2 fully_shard(reshard_after_forward=False): parameters, gradients and optimizer
                   state sharded at rest; gathered parameters kept from forward to backward
     fsdp-zero3    FSDP2 resharding after forward: only ~one block's parameters gathered at a time
     fsdp-zero3+tpT   plus tensor parallel of degree T (T <= GPUs per node, divides the heads)
-    …+epE         MoE models: experts split over E ranks (expert parallel)
+    …+epE         MoE models: experts split over E ranks (expert parallel; the bundled trainer
+                  keeps EP experts out of FSDP and does not combine EP with TP)
+
+The rungs mirror ``trainer/parallel.py`` exactly (tests/trainer/test_planner_exact.py runs the
+real trainer under torchrun and compares every rank's bytes). ``trainer.parallel: auto`` →
+:func:`resolve_parallel`, which the controller applies before writing the job to the run URI.
 
 Per-GPU bytes (what each rank holds; the trainer's FSDP2 mixed-precision policy keeps the sharded
 parameters in fp32 — they *are* the master copy — gathers them in bf16 for compute and
@@ -23,8 +29,8 @@ params          4 B × local shard (fp32 master)   4 B × local shard
 grads           4 B × local shard (fp32 reduce)   4 B × local shard
 optimizer       AdamW: 8 B (two fp32 moments);    same
                 Muon: 4 B momentum on the 2-D block weights, AdamW's 8 B on the rest
-gathered        2 B × unsharded parameters in flight (ZeRO-3: the root unit + one block;
-                ZeRO-2 / DDP under autocast: the whole model) + unsharded gradients of one block
+gathered        2 B × unsharded parameters in flight (ZeRO-3 and DDP/HSDP: the root unit + one
+                block; ZeRO-2: the whole model) + unsharded gradients of one block (2 + 4 B)
 activations     Korthikanti et al. 2022 (below)
 overhead        10 % headroom on the sum above + 2 GB fixed (CUDA context ~0.5–1 GB, NCCL
                 buffers, allocator fragmentation)
@@ -33,7 +39,8 @@ overhead        10 % headroom on the sum above + 2 GB fixed (CUDA context ~0.5�
 That is the classic 16 bytes per parameter of mixed-precision Adam (ZeRO paper: 2 + 2 + 12),
 partitioned the way FSDP2 actually stores it. The "local shard" is exact: FSDP2 splits dim 0 of
 each parameter into ``ceil(dim0 / dp)`` rows per rank (``torch.chunk``; the last ranks may get
-fewer or none), after tensor parallel has split the column-/row-parallel dimension. The plan's
+fewer or none), after tensor parallel has split the column-/row-parallel dimension (one measured
+quirk: with TP and no FSDP, the untied embedding's gradient is a whole Replicate tensor). The plan's
 headline uses the padded size (FSDP2's storage is padded to equal chunks);
 :func:`state_bytes_per_rank` gives the unpadded bytes a given rank's ``DTensor.to_local()`` holds.
 
@@ -41,10 +48,17 @@ Activations per block follow V. Korthikanti et al., "Reducing Activation Recompu
 Transformer Models" (2022), eq. 2–3: ``s·b·h·(34 + 5·a·s/h)`` bytes in 16-bit, and with tensor
 parallel (no sequence parallel) ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``. We keep its term structure
 and adapt the terms to this model: no dropout (no masks), grouped-query K/V, SwiGLU (four ff-wide
-tensors instead of GeLU's two), RoPE/QK-norm inputs, and a fused attention kernel (SDPA/flash:
+tensors instead of GeLU's two), QK-norm inputs, and a fused attention kernel (SDPA/flash:
 the ``5·a·s/h`` score terms become an fp32 log-sum-exp per head). Activation checkpointing keeps
 only each checkpointed block's input (``s·b·h``) plus one block's full activations during its
-recompute. The loss adds the logits (compute dtype) and their fp32 upcast and gradient.
+recompute. The loss adds the logits (compute dtype) and their fp32 upcast and gradient. With
+TP the planner keeps the micro-batch of the pure data-parallel layout (``batch_size / GPUs``;
+gradient accumulation makes up the rest), so TP lowers per-rank activations.
+
+Fit: ``(modelled bytes) × 1.10 + 2 GB ≤ the GPU's memory`` (vendor GB, 10^9 bytes). CPU ranks
+are not checked. Not modelled: allocator caching beyond the headroom, torch.compile workspaces,
+fp8 scaling state, NCCL's own buffers beyond the fixed 2 GB. Accuracy against
+``torch.cuda.max_memory_allocated`` is what ``benchmarks/bench_planner.py`` measures on a GPU.
 """
 
 from __future__ import annotations
