@@ -579,6 +579,16 @@ def _suggest(spec: JobSpec, gpu: str, gpn: int, nodes: int) -> str:
         if p is not None:
             parts.append(f"or activation_checkpointing: full fits as is ({p.strategy}, "
                          f"{p.memory_per_gpu_gb:.1f} GB/GPU)")
+    mb = spec.trainer.micro_batch_size or max(1, spec.trainer.batch_size // (gpn * nodes))
+    while mb > 1:
+        mb //= 2
+        alt = spec.model_copy(deep=True)
+        alt.trainer.micro_batch_size = mb  # gradient accumulation keeps the global batch
+        p = _fits_somewhere(alt, gpu, gpn, nodes)
+        if p is not None:
+            parts.append(f"or trainer.micro_batch_size: {mb} fits as is ({p.strategy}, "
+                         f"{p.memory_per_gpu_gb:.1f} GB/GPU)")
+            break
     return "; ".join(parts)
 
 

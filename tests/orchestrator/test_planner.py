@@ -165,3 +165,9 @@ def test_no_valid_layout_is_a_spec_error():
     with pytest.raises(SpecError, match="batch_size 8 not divisible") as ei:
         plan(spec)
     assert ei.value.exit_code == EXIT_INVALID
+
+
+def test_suggestion_includes_a_smaller_micro_batch():
+    p = plan(job("llama3-8b", "H100", 8, 1, 8192, 64, "none"))  # 8 × 8k-token sequences per GPU
+    assert not p.fits
+    assert "trainer.micro_batch_size:" in p.suggestion and "activation_checkpointing: full" in p.suggestion
