@@ -343,6 +343,15 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
             print("not started; nothing rented")
             return EXIT_INTERRUPTED
 
+    if not continuing:
+        # Before the expensive part: can the run URI hold a checkpoint that restores? (On by
+        # default for spot; `checkpoint.preflight` decides.) Raises PreflightError → one line.
+        from orchestrator.preflight import maybe_preflight
+
+        pf = maybe_preflight(spec)
+        if pf is not None:
+            print(f"restore preflight passed against {spec.run_uri} ({pf.seconds:.1f} s)", file=out)
+
     if detach:
         pid = spawn_detached(store, spec.name, ["--spec", str(Path(job).resolve())])
         msg = (f"{spec.name}: controller running in the background (pid {pid}); "
