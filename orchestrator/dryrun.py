@@ -61,12 +61,10 @@ def plan_report(spec: JobSpec, plan: Plan) -> dict[str, Any]:
 
 
 def _memory_and_traps(spec: JobSpec, plan: Plan) -> dict[str, Any]:
-    """The planner's memory plan and the known traps (issue 7), when those modules are present."""
+    """The planner's memory plan and the known traps."""
+    from orchestrator import planner, traps
+
     out: dict[str, Any] = {}
-    try:
-        from orchestrator import planner, traps
-    except ImportError:
-        return out
     gpu = plan.chosen.gpu if plan.chosen else spec.resources.gpu
     mem = planner.plan(spec, gpu=gpu)
     out["plan"] = mem.to_dict()

@@ -158,3 +158,19 @@ def test_fast_paths_import_nothing_heavy(argv):
     p = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert "HEAVY []" in p.stderr, p.stderr
+
+
+def test_dry_run_shows_the_memory_plan(capsys):
+    rc, out = run_json(capsys, ["up", str(GPT2), "--dry-run", "--json"])
+    assert rc == 0
+    assert out["plan"]["strategy"] == "ddp"
+    assert 0 < out["plan"]["memory_per_gpu_gb"] < 80
+    assert out["traps"] == []
+
+
+def test_strict_makes_traps_exit_2(capsys, tmp_path):
+    f = job_file(tmp_path, trainer__warmup_steps=0)
+    rc, out = run_json(capsys, ["up", str(f), "--dry-run", "--json"])
+    assert rc == 0 and any(t["code"] == "no-lr-warmup" for t in out["traps"])
+    rc, out = run_json(capsys, ["up", str(f), "--dry-run", "--json", "--strict"])
+    assert rc == 2
