@@ -91,8 +91,10 @@ def read_text(uri: str) -> str | None:
         if lp is not None:
             return Path(lp).read_text()
         fs, path = _fs(uri)
-        with fs.open(path, "r") as f:
-            return f.read()
+        # One GET (cat_file), not open()+read: s3fs's file object pins the ETag, so a writer
+        # replacing the object between its HEAD and GET (progress.json, rewritten every few
+        # seconds) made the read fail with FileExpired.
+        return fs.cat_file(path).decode()
     except FileNotFoundError:
         return None
 

@@ -59,8 +59,10 @@ def test_s3_resume_is_bit_exact_after_sigkill_sigterm_and_stop(trainer, s3_bucke
 
     # C: SIGTERM (the spot notice, forwarded by torchrun) → emergency checkpoint → resume;
     # then STOP → checkpoint, exit 0 without DONE → resume → the same parameters again.
+    # (This run's URI comes from --run-uri, which must override the spec's and survive torchrun.)
     c = f"{s3_bucket}/preempted"
-    p = trainer.start(job("preempted", c), 2, env=SLOW)
+    cjob = job("preempted", f"file://{trainer.tmp}/not-used")
+    p = trainer.start(cjob, 2, env=SLOW, run_uri=c)
     wait_for(lambda: _committed(c, 4) and _progress(c).get("step", 0) >= 5, what="step 5")
     p.send_signal(signal.SIGTERM)  # the launcher (torchrun) forwards it to every worker
     out, _ = p.communicate(timeout=120)
@@ -71,7 +73,7 @@ def test_s3_resume_is_bit_exact_after_sigkill_sigterm_and_stop(trainer, s3_bucke
     assert 5 <= stopped_at < STEPS and _committed(c, stopped_at), (stopped_at, runuri.checkpoint_steps(c))
     assert not runuri.exists(runuri.join(c, "DONE"))
 
-    p = trainer.start(job("preempted", c), 2, env=SLOW)
+    p = trainer.start(cjob, 2, env=SLOW, run_uri=c)
     wait_for(lambda: _progress(c).get("step", 0) > stopped_at, what="progress after resume")
     runuri.write_text(runuri.join(c, "STOP"), "budget")
     out, _ = p.communicate(timeout=120)
@@ -82,9 +84,10 @@ def test_s3_resume_is_bit_exact_after_sigkill_sigterm_and_stop(trainer, s3_bucke
     assert not runuri.exists(runuri.join(c, "DONE"))
 
     runuri.remove(runuri.join(c, "STOP"))
-    rc, log = trainer.run(job("preempted", c), 2)
+    rc, log = trainer.run(cjob, 2, run_uri=c)
     assert rc == 0, log[-3000:]
     assert runuri.read_json(runuri.join(c, "DONE"))["param_digest"] == done["param_digest"]
+    assert not (trainer.tmp / "not-used").exists()
 
 
 def test_reshard_4_to_2_to_1_and_shape_mismatch(trainer, tmp_path):
