@@ -33,7 +33,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -297,5 +297,3 @@ def param_digest(model) -> str | None:
         return None
     return h.hexdigest()
 
-
-Callback = Callable[[], None]
