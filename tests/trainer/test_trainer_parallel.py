@@ -100,3 +100,15 @@ def test_ep2_matches_world1_and_checkpoint_keeps_every_expert(trainer, tmp_path,
         assert offsets == [0, 2], (key, offsets)
     commit = json.loads(open(f"{path}/COMMITTED").read())
     assert commit["parallel"]["ep"] == 2 and commit["world_size"] == 2
+
+
+def test_replicate_ddp_rung_world2_matches_world1(trainer, tmp_path, refs):
+    # parallel.replicate (the planner's DDP rung): HSDP with a shard group of one.
+    uri = f"file://{tmp_path}/ddp"
+    job = trainer.job("ddp", nproc=2, run_uri=uri, model=MOE, steps=STEPS, optimizer="muon",
+                      parallel={"dp_shard": 2, "replicate": True})
+    rc, log = trainer.run(job, 2)
+    assert rc == 0, log[-3000:]
+    _check_matches(refs["moe"], losses(uri))
+    n = ModelSpec(**MOE).num_params()
+    assert all(r["params"] == 4 * n for r in runuri.read_json(runuri.join(uri, "DONE"))["state_bytes_per_rank"])

@@ -249,3 +249,13 @@ def test_corrupt_newest_committed_checkpoint_falls_back_to_the_previous(tmp_path
     assert train["step"] == 2 and train["tokens"] == 14 and fresh.samples_seen == 4
     assert "step-4 is COMMITTED but failed to load" in caplog.text
     assert torch.equal(m2.tok_emb.weight, model.tok_emb.weight)
+
+
+def test_z_loss_adds_coef_times_mean_squared_log_partition():
+    logits = torch.randn(2, 5, 11)
+    targets = torch.randint(0, 11, (2, 5))
+    total, ce = loss_fn(logits, targets, z_loss=1e-2)
+    lse = torch.logsumexp(logits.view(-1, 11), dim=-1)
+    assert ce.item() == pytest.approx(torch.nn.functional.cross_entropy(logits.view(-1, 11), targets.view(-1)).item())
+    assert total.item() == pytest.approx(ce.item() + 1e-2 * (lse ** 2).mean().item(), rel=1e-6)
+    assert loss_fn(logits, targets)[0].item() == ce.item()
