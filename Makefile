@@ -13,7 +13,6 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/dtrun up jobs/quickstart.yaml --dry-run
 	$(VENV)/bin/dtrun up jobs/quickstart.yaml --yes
 
 test: $(STAMP)
