@@ -507,6 +507,9 @@ class Controller:
             self._begin_stop("SUCCEEDED", "training finished (DONE)", write_stop=False)
             return
         if states is None:
+            # The provider cannot say what the node is doing, but it is billing all the same:
+            # the budget and deadline guard must not wait for the status API to come back.
+            self._guard(now, running=False)
             return
         values = list(states.values())
         if all(s == NodeState.RUNNING for s in values):
