@@ -56,14 +56,18 @@ class _Shard:
             self.n = int(np.prod(shape))
         else:
             with fs.open(path, "rb") as f:
-                head = np.frombuffer(f.read(_LLMC_HEADER_BYTES), dtype=np.int32)
+                buf = f.read(_LLMC_HEADER_BYTES)
+            head = np.frombuffer(buf[:len(buf) // 4 * 4], dtype=np.int32)
             size = fs.size(path)
             if head.size >= 3 and head[0] == _LLMC_MAGIC:
                 self.offset = _LLMC_HEADER_BYTES
                 self.n = int(head[2])
             else:
                 self.n = size // 2
-        self._mm = np.memmap(path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.n,)) if local else None
+        if self.dtype.kind not in "ui":
+            raise ValueError(f"dtype {self.dtype} is not an integer token type")
+        self._mm = (np.memmap(path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.n,))
+                    if local and self.n > 0 else None)
 
     def read(self, start: int, count: int) -> np.ndarray:
         if self._mm is not None:
@@ -81,7 +85,10 @@ class ShardSource:
         from orchestrator.runuri import _fs
 
         self.T, self.V = seq_len, vocab_size
-        fs, path = _fs(uri) if uri.startswith("s3://") else fsspec.core.url_to_fs(uri)
+        try:
+            fs, path = _fs(uri) if uri.startswith("s3://") else fsspec.core.url_to_fs(uri)
+        except Exception as e:  # noqa: BLE001 - unknown scheme, missing fsspec backend (gcsfs, …)
+            raise ConfigError(f"trainer.data: cannot open {uri}: {type(e).__name__}: {e}") from None
         local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
         try:
             if any(ch in path for ch in "*?["):
@@ -95,7 +102,17 @@ class ShardSource:
         files = sorted(files)
         if not files:
             raise ConfigError(f"trainer.data: no .bin or .npy token shards at {uri}")
-        self.shards = [_Shard(fs, f, local) for f in files]
+        self.shards = []
+        for f in files:
+            try:
+                shard = _Shard(fs, f, local)
+            except Exception as e:  # noqa: BLE001 - truncated/corrupt file: name it, no traceback
+                raise ConfigError(f"trainer.data: token shard {f} is unreadable "
+                                  f"({type(e).__name__}: {e})") from None
+            if shard.n > 0:  # an empty shard adds nothing (and cannot be memory-mapped)
+                self.shards.append(shard)
+        if not self.shards:
+            raise ConfigError(f"trainer.data: every token shard at {uri} is empty")
         self.starts = np.cumsum([0] + [s.n for s in self.shards])
         self.total = int(self.starts[-1])
         if self.total < seq_len + 1:

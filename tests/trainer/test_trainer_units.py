@@ -161,6 +161,30 @@ def test_token_shards_bin_llmc_and_npy(tmp_path):
         build_source(str(tmp_path), seq_len=64, vocab_size=100, seed=0).sample(2)
 
 
+
+def test_bad_token_shards_are_config_errors_not_tracebacks(tmp_path):
+    (tmp_path / "zero").mkdir()
+    (tmp_path / "zero" / "a.bin").write_bytes(b"")  # empty file: cannot be memory-mapped
+    with pytest.raises(ConfigError, match="empty"):
+        build_source(str(tmp_path / "zero"), seq_len=8, vocab_size=256, seed=0)
+    (tmp_path / "bad.npy").write_bytes(b"notnpy")  # truncated .npy header
+    with pytest.raises(ConfigError, match="bad.npy"):
+        build_source(str(tmp_path / "bad.npy"), seq_len=8, vocab_size=256, seed=0)
+    np.save(tmp_path / "float.npy", np.zeros(100, dtype=np.float32))  # not token ids
+    with pytest.raises(ConfigError, match="float.npy"):
+        build_source(str(tmp_path / "float.npy"), seq_len=8, vocab_size=256, seed=0)
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = [20240520, 1, 10_000]  # llm.c header claims more tokens than the file holds
+    (tmp_path / "short.bin").write_bytes(header.tobytes() + np.zeros(50, np.uint16).tobytes())
+    with pytest.raises(ConfigError, match="short.bin"):
+        build_source(str(tmp_path / "short.bin"), seq_len=8, vocab_size=256, seed=0)
+    for uri in ("foo://bucket/shards", "gs://bucket/shards"):  # unknown scheme / backend not installed
+        with pytest.raises(ConfigError, match="cannot open"):
+            build_source(uri, seq_len=8, vocab_size=256, seed=0)
+    (tmp_path / "one.bin").write_bytes(np.arange(8, dtype=np.uint16).tobytes())
+    with pytest.raises(ConfigError, match="fewer than seq_len"):  # seq_len larger than the data
+        build_source(str(tmp_path / "one.bin"), seq_len=64, vocab_size=256, seed=0)
+
 # ---- launch-time errors: exit 2 with one clear line --------------------------------------------
 
 def test_bad_parallel_degrees_exit_2_before_any_process_group(trainer, tmp_path):
