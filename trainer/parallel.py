@@ -228,6 +228,20 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, *, device:
     return model
 
 
+
+def amp_context(device: torch.device, param_dtype: torch.dtype | None, meshes: Meshes) -> Any:
+    """Mixed precision for forward + loss when FSDP2 does not provide it.
+
+    FSDP2's ``MixedPrecisionPolicy`` casts parameters to ``param_dtype`` only where ``fully_shard``
+    was applied; a run without a data-parallel mesh (one GPU, or TP only, or DDP at dp = 1) would
+    otherwise train in fp32 although ``precision: bf16`` was asked for. There: ``torch.autocast``.
+    """
+    import contextlib
+
+    if device.type != "cuda" or param_dtype is None or meshes.fsdp is not None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cuda", dtype=param_dtype)
+
 @torch.no_grad()
 def finish_expert_grads(model: nn.Module, dims: ParallelDims, meshes: Meshes) -> None:
     """Expert-parallel gradients: tokens from every rank of the ep group reach the owner, so its

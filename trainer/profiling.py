@@ -132,7 +132,8 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
     from trainer.metrics import peak_flops
     from trainer.model import build_model, loss_fn
     from trainer.optim import build_optimizer, lr_at
-    from trainer.parallel import ParallelDims, build_meshes, clip_grad_norm_, finish_expert_grads, parallelize
+    from trainer.parallel import (ParallelDims, amp_context, build_meshes, clip_grad_norm_, finish_expert_grads,
+                                  parallelize)
 
     spec = load_spec(job)
     uri = run_uri or spec.run_uri
@@ -192,8 +193,9 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
                     break
                 x, y = batch
                 with record_function("dtrun/forward_backward"):
-                    loss, ce = loss_fn(model(x), y, t.z_loss)
-                    aux = model.aux_loss()
+                    with amp_context(device, param_dtype, meshes):
+                        loss, ce = loss_fn(model(x), y, t.z_loss)
+                        aux = model.aux_loss()
                     if aux is not None:
                         loss = loss + aux
                     (loss / accum).backward()

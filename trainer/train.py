@@ -186,8 +186,8 @@ class Run:
         from trainer.metrics import Metrics, peak_flops
         from trainer.model import build_model, loss_fn
         from trainer.optim import build_optimizer, lr_at
-        from trainer.parallel import (build_meshes, clip_grad_norm_, finish_expert_grads, parallelize,
-                                      sharded_state_bytes)
+        from trainer.parallel import (amp_context, build_meshes, clip_grad_norm_, finish_expert_grads,
+                                      parallelize, sharded_state_bytes)
 
         spec, t, dims, device = self.spec, self.spec.trainer, self.dims, self.device
         ms = t.model_spec
@@ -268,8 +268,9 @@ class Run:
                 for m_i, (x, y) in enumerate(loader.batches(step)):
                     if fsdp_root and accum > 1:  # reduce-scatter once, after the last micro-batch
                         model.set_requires_gradient_sync(m_i == accum - 1)
-                    loss, ce = loss_fn(model(x), y, t.z_loss)
-                    aux = model.aux_loss()
+                    with amp_context(device, param_dtype, meshes):
+                        loss, ce = loss_fn(model(x), y, t.z_loss)
+                        aux = model.aux_loss()
                     if aux is not None:
                         loss = loss + aux
                     (loss / accum).backward()

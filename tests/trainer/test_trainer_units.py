@@ -283,3 +283,21 @@ def test_z_loss_adds_coef_times_mean_squared_log_partition():
     assert ce.item() == pytest.approx(torch.nn.functional.cross_entropy(logits.view(-1, 11), targets.view(-1)).item())
     assert total.item() == pytest.approx(ce.item() + 1e-2 * (lse ** 2).mean().item(), rel=1e-6)
     assert loss_fn(logits, targets)[0].item() == ce.item()
+
+
+def test_bf16_without_an_fsdp_mesh_runs_under_autocast():
+    # FSDP2's MixedPrecisionPolicy only applies where fully_shard did: one GPU (or TP only) must
+    # still get bf16 through autocast, and FSDP runs / CPU runs must not be autocast twice.
+    import contextlib
+    import warnings
+
+    from trainer.parallel import Meshes, amp_context
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available" on CPU-only builds
+        amp = amp_context(cuda, torch.bfloat16, Meshes(None, None, None, None))
+    assert isinstance(amp, torch.autocast) and amp.device == "cuda" and amp.fast_dtype == torch.bfloat16
+    assert isinstance(amp_context(cuda, torch.bfloat16, Meshes("dense", "fsdp", None, None)), contextlib.nullcontext)
+    assert isinstance(amp_context(cuda, None, Meshes(None, None, None, None)), contextlib.nullcontext)  # fp32
+    assert isinstance(amp_context(cpu, None, Meshes(None, None, None, None)), contextlib.nullcontext)
