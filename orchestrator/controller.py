@@ -84,6 +84,9 @@ class Controller:
         self.started = False
         self.pid = os.getpid()
         self._first_attempt_progress: dict[int, bool] = {}
+        # A launch that raised may still have created (and be billing for) its instance: the
+        # orphan sweep runs again before the next launch and before the job ends.
+        self._sweep_due = False
 
     # ---- helpers -------------------------------------------------------------------------------
     def provider(self, name: str) -> Provider:
@@ -375,6 +378,7 @@ class Controller:
             self._launch_failed(n, "no_capacity", f"{type(e).__name__}: {e}", delay)
             return
         except perr.Transient as e:
+            self._sweep_due = True
             delay = self.strategy.transient()
             self._launch_failed(n, "launch_error", f"transient: {e}", delay)
             return
@@ -383,6 +387,7 @@ class Controller:
             self._finish("FAILED", f"{offer.provider} refused: {e}")
             return
         except perr.ProviderError as e:  # an API error the provider did not classify: retry, bounded
+            self._sweep_due = True
             delay = self.strategy.transient()
             self._launch_failed(n, "launch_error", f"{type(e).__name__}: {e}", delay)
             return
@@ -666,6 +671,7 @@ class Controller:
     def _recover(self, now: float) -> None:
         if not self._terminate_nodes():
             return  # remnants not confirmed gone yet: retry next tick
+        self._sweep_if_due()
         if self._check_recovery_time(now):
             return
         if self.guard_recovering(now):
@@ -749,11 +755,17 @@ class Controller:
             target, reason = "SUCCEEDED", f"training finished (DONE) while stopping for: {reason}"
         self._finish(target, reason)
 
+    def _sweep_if_due(self) -> None:
+        if self._sweep_due:
+            self._sweep_due = False
+            self._sweep_orphans()
+
     def _finish(self, target: str, reason: str | None) -> None:
         if not self._terminate_nodes():
             self.transition("STOPPING", reason, stop_target=target, stop_reason=reason,
                             stop_started=self.now(), stop_now=1)
             return
+        self._sweep_if_due()
         now = self.now()
         att = self.current_attempt()
         if att and att["state"] != "ENDED":

@@ -1,0 +1,55 @@
+"""Money-safety regressions found in review: the real controller against the fake cloud on a
+virtual clock (the world of ``test_controller_fake``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.clock import VirtualClock
+from orchestrator.controller import Controller
+from orchestrator.state import StateStore
+from providers.fake import FakeProvider
+from test_controller_fake import OFFERS, SimTrainer, make_spec
+
+
+@pytest.fixture
+def world(tmp_path, dtrun_home):
+    clock = VirtualClock()
+    sim = SimTrainer(steps=1000, step_s=10.0, every=100)
+    cloud = FakeProvider(clock=clock, offers=OFFERS, provision_seconds=60, autodown_seconds=None, workload=sim)
+    store = StateStore(tmp_path / "state.db")
+
+    def make(spec=None, **kw):
+        return Controller(spec or make_spec(tmp_path), store, clock=clock, providers={"fake": cloud}, **kw)
+
+    yield dict(clock=clock, cloud=cloud, store=store, make=make)
+    store.close()
+
+
+def running(cloud):
+    return [i for i in cloud.instances() if i.gone_at is None]
+
+
+def test_budget_guard_still_acts_while_every_poll_fails(world, tmp_path):
+    # The provider's status API is down for good: the controller cannot tell the node's state,
+    # but the node is billing all the same, so the budget guard must still stop it.
+    world["cloud"].inject("poll", "Transient", count=None)
+    spec = make_spec(tmp_path, budget={"max_usd": 1.0})  # $1/h → about an hour of a 2.8 h job
+    c = world["make"](spec)
+    assert c.run() == "OVER_BUDGET"
+    assert running(world["cloud"]) == []
+    assert world["cloud"].bill()["total_usd"] <= 1.0 + 1.0 * 30 / 3600  # + one tick
+
+
+def test_instance_created_by_a_failed_launch_is_swept_by_the_running_controller(world):
+    # The create call "times out" (Transient) but the cloud made the instance anyway. The same
+    # controller keeps running (no restart): it must not leave that instance billing.
+    world["cloud"].inject("launch", "Transient", count=1, create=True)
+    c = world["make"]()
+    assert c.run() == "SUCCEEDED"
+    assert [a["outcome"] for a in world["store"].attempts("fakejob")] == ["launch_error", "succeeded"]
+    assert running(world["cloud"]) == []
+    ghost = [r for r in world["cloud"].bill()["rows"] if r["name"] == "dtrun-fakejob-a1"][0]
+    assert ghost["seconds"] <= 2 * 30 + 10  # swept within a tick or two, not at the end of the run
+    # and its cost counts against the job (the guard and `dtrun cost` see it)
+    assert world["store"].spend_total("fakejob") >= world["cloud"].bill()["total_usd"] - 0.01
