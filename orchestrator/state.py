@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from orchestrator.errors import EXIT_JOB_FAILED, DtrunError
+
 ACTIVE_STATES = ("PENDING", "PROVISIONING", "RUNNING", "RECOVERING", "STOPPING")
 TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED", "OVER_BUDGET")
 STATES = ACTIVE_STATES + TERMINAL_STATES
@@ -175,11 +177,26 @@ def pid_alive(pid: int | None) -> bool:
 HOST = socket.gethostname()
 
 
+class StateStoreError(DtrunError):
+    """The state store file cannot be opened or read (corrupt, not a file, no permission)."""
+
+    exit_code = EXIT_JOB_FAILED
+
+
 class StateStore:
     """SQLite-backed job state (see the module docstring for the API)."""
 
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = str(path) if path is not None else str(default_path())
+        try:
+            self._open()
+        except (sqlite3.DatabaseError, OSError) as e:
+            raise StateStoreError(
+                f"cannot open the state store {self.path}: {type(e).__name__}: {e} "
+                f"(move it aside to start afresh, or set DTRUN_HOME to another directory; "
+                f"jobs recorded in it are then unknown to dtrun — `dtrun gc` finds their instances)") from None
+
+    def _open(self) -> None:
         if self.path != ":memory:":
             p = Path(self.path)
             p.parent.mkdir(parents=True, exist_ok=True)

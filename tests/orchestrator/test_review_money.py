@@ -53,3 +53,21 @@ def test_instance_created_by_a_failed_launch_is_swept_by_the_running_controller(
     assert ghost["seconds"] <= 2 * 30 + 10  # swept within a tick or two, not at the end of the run
     # and its cost counts against the job (the guard and `dtrun cost` see it)
     assert world["store"].spend_total("fakejob") >= world["cloud"].bill()["total_usd"] - 0.01
+
+
+@pytest.mark.parametrize("damage", ["garbage", "directory"])
+def test_unreadable_state_store_is_one_clear_message_naming_the_file(dtrun_home, damage):
+    import subprocess
+    import sys
+
+    db = dtrun_home / "state.db"
+    if damage == "garbage":
+        db.write_text("this is not sqlite\n" * 100)
+    else:
+        db.mkdir()
+    for argv in (["ls"], ["status", "x", "--json"], ["cost"]):
+        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", *argv], capture_output=True, text=True,
+                           timeout=120)
+        out = r.stdout + r.stderr
+        assert r.returncode == 1, out
+        assert str(db) in out and "internal error" not in out and "Traceback" not in out, out
