@@ -149,6 +149,19 @@ class CheckpointManager:
             return
         self._commit(step, meta)
 
+    def settle(self) -> int | None:
+        """Collective: finish the in-flight save, then adopt rank 0's last COMMITTED step.
+
+        Only rank 0 writes ``COMMITTED``; if that write fails, rank 0 alone forgets the step. Every
+        rank must take the same branch at the decision points (emergency/STOP/final save, DONE),
+        or rank 0 would enter a collective save alone and hang."""
+        self.wait()
+        if dist.is_initialized():
+            box = [self.last_committed]
+            dist.broadcast_object_list(box, src=0, group=self.pg)
+            self.last_committed = box[0]
+        return self.last_committed
+
     def _commit(self, step: int, meta: dict[str, Any]) -> None:
         self.last_committed = step
         if self.rank != 0:

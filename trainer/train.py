@@ -312,14 +312,14 @@ class Run:
 
                 if term > 0:
                     log.warning("SIGTERM: emergency checkpoint at step %d", step)
-                    ckpt.wait()
+                    ckpt.settle()
                     if ckpt.last_committed != step:
                         save(step, sync=True)
                     return finish(EXIT_PREEMPTED, "preempted")
                 if stop > 0:
                     if self.rank == 0:
                         log.info("STOP found in the run URI: checkpoint at step %d and exit", step)
-                    ckpt.wait()
+                    ckpt.settle()
                     if ckpt.last_committed != step:
                         save(step, sync=True)
                     return finish(EXIT_DONE, "stopped")
@@ -328,9 +328,10 @@ class Run:
                     save(step)
                     last_auto = time.monotonic()
 
-            ckpt.wait()
+            ckpt.settle()
             if ckpt.last_committed != step:
                 save(step, sync=True)
+                ckpt.settle()
             digest = param_digest(model)
             all_bytes = [state_bytes]
             if dist.is_initialized():

@@ -301,3 +301,44 @@ def test_bf16_without_an_fsdp_mesh_runs_under_autocast():
     assert isinstance(amp_context(cuda, torch.bfloat16, Meshes("dense", "fsdp", None, None)), contextlib.nullcontext)
     assert isinstance(amp_context(cuda, None, Meshes(None, None, None, None)), contextlib.nullcontext)  # fp32
     assert isinstance(amp_context(cpu, None, Meshes(None, None, None, None)), contextlib.nullcontext)
+
+
+_SETTLE_SCRIPT = '''
+import sys
+import torch
+import torch.distributed as dist
+from orchestrator import runuri
+from trainer.checkpoint import CheckpointManager
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+mgr = CheckpointManager(sys.argv[1], keep=2, async_mode="sync", rank=rank, world_size=2, dp_rank=rank,
+                        describe={})
+if rank == 0:  # the storage refuses rank 0's COMMITTED write (all retries)
+    orig = runuri.write_json
+    def refuse(uri, obj):
+        if uri.endswith("COMMITTED"):
+            raise OSError("injected: COMMITTED write refused")
+        return orig(uri, obj)
+    runuri.write_json = refuse
+mgr.save(1, {"train": {"step": 1}, "w": torch.ones(4)}, {}, sync=True)
+print(f"RANK{rank} settled={mgr.settle()}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_ranks_agree_on_last_committed_when_rank0_commit_write_fails(tmp_path):
+    # Otherwise rank 0 alone would enter the final/emergency collective save and hang.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "settle.py"
+    script.write_text(_SETTLE_SCRIPT)
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(script), f"file://{tmp_path}/run"], cwd=repo, capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1",
+                                           "PYTHONPATH": str(repo)})
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "RANK0 settled=None" in out.stdout and "RANK1 settled=None" in out.stdout, out.stdout
