@@ -18,6 +18,7 @@ Paths with ``://`` go through a lazily imported fsspec (s3fs for s3://, endpoint
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -67,6 +68,21 @@ def _fs(uri: str):
     return fs, path
 
 
+@contextlib.contextmanager
+def _store_errors(uri: str):
+    """Object-store client errors that are not OSError (botocore's EndpointConnectionError,
+    NoCredentialsError, ReadTimeoutError, ...) become OSError naming the URI, so a caller's
+    ``except OSError`` also covers a store outage (a controller tick must not crash on one)."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as e:
+        if (type(e).__module__ or "").split(".")[0] in ("botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec"):
+            raise OSError(f"{uri}: {type(e).__name__}: {e}") from e
+        raise
+
+
 def local_path(uri: str) -> str | None:
     """The local filesystem path of a file:// URI or plain path, else None."""
     if uri.startswith("file://"):
@@ -81,7 +97,8 @@ def exists(uri: str) -> bool:
     if lp is not None:
         return os.path.exists(lp)
     fs, path = _fs(uri)
-    return fs.exists(path)
+    with _store_errors(uri):
+        return fs.exists(path)
 
 
 def read_text(uri: str) -> str | None:
@@ -94,7 +111,8 @@ def read_text(uri: str) -> str | None:
         # One GET (cat_file), not open()+read: s3fs's file object pins the ETag, so a writer
         # replacing the object between its HEAD and GET (progress.json, rewritten every few
         # seconds) made the read fail with FileExpired.
-        return fs.cat_file(path).decode()
+        with _store_errors(uri):
+            return fs.cat_file(path).decode()
     except FileNotFoundError:
         return None
 
@@ -121,7 +139,7 @@ def write_text(uri: str, text: str) -> None:
         os.replace(tmp, lp)
         return
     fs, path = _fs(uri)
-    with fs.open(path, "w") as f:
+    with _store_errors(uri), fs.open(path, "w") as f:
         f.write(text)
 
 
@@ -153,8 +171,9 @@ def remove(uri: str, recursive: bool = False) -> None:
                 os.remove(lp)
             return
         fs, path = _fs(uri)
-        if fs.exists(path):
-            fs.rm(path, recursive=recursive)
+        with _store_errors(uri):
+            if fs.exists(path):
+                fs.rm(path, recursive=recursive)
     except FileNotFoundError:
         pass
 
@@ -169,8 +188,9 @@ def list_dir(uri: str) -> list[str]:
             return []
     fs, path = _fs(uri)
     try:
-        fs.invalidate_cache(path)
-        entries = fs.ls(path, detail=False)
+        with _store_errors(uri):
+            fs.invalidate_cache(path)
+            entries = fs.ls(path, detail=False)
     except FileNotFoundError:
         return []
     return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)

@@ -71,3 +71,23 @@ def test_unreadable_state_store_is_one_clear_message_naming_the_file(dtrun_home,
         out = r.stdout + r.stderr
         assert r.returncode == 1, out
         assert str(db) in out and "internal error" not in out and "Traceback" not in out, out
+
+
+def test_store_outage_is_an_oserror_the_controller_catches(monkeypatch):
+    # Every run-URI caller (controller tick: lease, progress, DONE; node watchdog) catches OSError;
+    # botocore's EndpointConnectionError is not one, so an S3 blip crashed the controller loop.
+    import socket
+
+    from orchestrator import runuri
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for call in (lambda: runuri.write_json("s3://b/run/lease.json", {"expires": 1}),
+                 lambda: runuri.read_json("s3://b/run/progress.json")):
+        with pytest.raises(OSError, match="s3://b/run/.*EndpointConnectionError"):
+            call()
