@@ -235,8 +235,20 @@ class CheckpointManager:
     def _load(self, uri: str, model, optimizer, loader) -> dict[str, Any]:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-        md = _reader(uri).read_metadata().state_dict_metadata
         sd = self.state_dict(model, optimizer, loader, {"step": 0, "tokens": 0, "loss": 0.0})
+        # Every rank reads the metadata; a read that fails on one rank only (a transient storage
+        # error) must send *every* rank to the previous checkpoint, not leave the others alone in
+        # the collective dcp.load below.
+        try:
+            md, err = _reader(uri).read_metadata().state_dict_metadata, None
+        except _ERRORS as e:  # noqa: BLE001
+            md, err = None, _short(e)
+        if dist.is_initialized():
+            errs: list[Any] = [None] * dist.get_world_size(self.pg)
+            dist.all_gather_object(errs, err, group=self.pg)
+            err = next((f"rank {r}: {x}" for r, x in enumerate(errs) if x is not None), None)
+        if err is not None:
+            raise RuntimeError(f"reading the checkpoint metadata failed ({err})")
         _check_model_shapes(uri, sd["model"], md)
         for k in [k for k in sd if k.startswith(("data_dp", "rng_rank"))]:
             if not any(m == k or m.startswith(k + ".") for m in md):

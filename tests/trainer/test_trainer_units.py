@@ -342,3 +342,71 @@ def test_ranks_agree_on_last_committed_when_rank0_commit_write_fails(tmp_path):
                                            "PYTHONPATH": str(repo)})
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "RANK0 settled=None" in out.stdout and "RANK1 settled=None" in out.stdout, out.stdout
+
+
+_ONE_RANK_READ_FAILS_SCRIPT = '''
+import sys
+import torch
+import torch.distributed as dist
+from trainer import checkpoint
+from trainer.checkpoint import CheckpointManager
+
+class Loader:
+    samples_seen = 0
+    def state_dict(self):
+        return {"samples_seen": self.samples_seen}
+    def load_state_dict(self, sd):
+        self.samples_seen = sd["samples_seen"]
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.AdamW(model.parameters())
+mgr = CheckpointManager(sys.argv[1], keep=3, async_mode="sync", rank=rank, world_size=2, dp_rank=rank,
+                        describe={})
+for step in (1, 2):
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    mgr.save(step, mgr.state_dict(model, opt, Loader(), {"step": step, "tokens": 0, "loss": 0.0}), {}, sync=True)
+dist.barrier()
+if rank == 1:  # a transient storage error on rank 1 only, reading step-2's metadata
+    orig = checkpoint._reader
+    def flaky(uri):
+        r = orig(uri)
+        if uri.endswith("step-2"):
+            def boom():
+                raise OSError("injected: connection reset")
+            r.read_metadata = boom
+        return r
+    checkpoint._reader = flaky
+fresh = CheckpointManager(sys.argv[1], keep=3, async_mode="sync", rank=rank, world_size=2, dp_rank=rank,
+                          describe={})
+train = fresh.load_latest(model, opt, Loader())
+print(f"RANK{rank} resumed={train['step']}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_metadata_read_failing_on_one_rank_sends_every_rank_to_the_previous_checkpoint(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "flaky.py"
+    script.write_text(_ONE_RANK_READ_FAILS_SCRIPT)
+    repo = Path(__file__).resolve().parents[2]
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(script), f"file://{tmp_path}/run"], cwd=repo, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
+    try:
+        out, _ = p.communicate(timeout=90)
+    except subprocess.TimeoutExpired:  # the ranks disagreed and hung in dcp.load
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        raise AssertionError(f"ranks hung: {out[-2000:]}") from None
+    assert p.returncode == 0, out[-3000:]
+    assert "RANK0 resumed=1" in out and "RANK1 resumed=1" in out, out[-3000:]
