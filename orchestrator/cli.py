@@ -171,18 +171,42 @@ def profile(
     raise typer.Exit(cmd_profile(job, steps, json_out))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _click_errors() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """(Exit, ClickException, Abort) classes: click's, and typer's own (typer ≥ 0.20 vendors click
+    as ``typer._click`` and raises those, which click's classes do not catch)."""
     import click
 
+    exits: list[type] = [click.exceptions.Exit]
+    usage: list[type] = [click.ClickException]
+    aborts: list[type] = [click.exceptions.Abort]
+    try:
+        from typer import _click as tc
+    except ImportError:
+        tc = None
+    if tc is not None:
+        usage.append(tc.exceptions.ClickException)
+        for name, into in (("Exit", exits), ("Abort", aborts)):
+            cls = getattr(tc.exceptions, name, None)
+            if cls is not None:
+                into.append(cls)
+    for name, into in (("Exit", exits), ("Abort", aborts)):
+        cls = getattr(typer, name, None)
+        if isinstance(cls, type):
+            into.append(cls)
+    return tuple(exits), tuple(usage), tuple(aborts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    exits, usage, aborts = _click_errors()
     try:
         rv = app(args=argv, standalone_mode=False)
         return rv if isinstance(rv, int) else 0
-    except click.exceptions.Exit as e:
+    except exits as e:
         return e.exit_code
-    except click.ClickException as e:
+    except usage as e:
         e.show()
         return e.exit_code
-    except click.exceptions.Abort:
+    except aborts:
         typer.echo("aborted", err=True)
         return EXIT_INTERRUPTED
     except DtrunError as e:

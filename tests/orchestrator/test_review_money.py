@@ -91,3 +91,20 @@ def test_store_outage_is_an_oserror_the_controller_catches(monkeypatch):
                  lambda: runuri.read_json("s3://b/run/progress.json")):
         with pytest.raises(OSError, match="s3://b/run/.*EndpointConnectionError"):
             call()
+
+
+@pytest.mark.parametrize("argv,says", [(["logs"], "Missing argument"), (["up", "x.yaml", "--bogus"], "No such option"),
+                                       (["simulate", "x.yaml", "--seed", "abc"], "Invalid value for '--seed'")])
+def test_bad_command_line_is_a_usage_error_exit_2(dtrun_home, argv, says):
+    # typer >= 0.20 vendors click (typer._click): its UsageError is not click.ClickException,
+    # so wrong arguments came out as "internal error ..." with exit 1.
+    from orchestrator.cli import main
+
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    assert code == 2, err.getvalue()
+    assert says in err.getvalue() and "internal error" not in err.getvalue()
