@@ -92,6 +92,7 @@ def run(uri: str) -> None:
     sync_s = time.perf_counter() - t0
     assert mgr.last_committed == 5
 
+    saved_digest = param_digest(model)  # the parameters checkpoint 6 holds (training continues after)
     t0 = time.perf_counter()
     mgr.save(6, sd(6), {})
     stall_s = time.perf_counter() - t0
@@ -110,6 +111,7 @@ def run(uri: str) -> None:
     train = mgr2.load_latest(fresh, fresh_opt, loader)
     assert train["step"] == 6
     digest_saved = param_digest(fresh)
+    assert digest_saved == saved_digest, "the async checkpoint did not load back bit-exactly"
     res = {
         "benchmark": "checkpoint_stall", "storage": "moto S3 (HTTP, s3fs)",
         "params": spec.num_params(), "state_bytes_fp32_params_plus_adamw": state_bytes,
@@ -118,7 +120,7 @@ def run(uri: str) -> None:
         "async_upload_s": round(t_upload, 3), "train_steps_during_upload": len(steps_during),
         "step_s_alone": round(base_step, 3),
         "step_s_during_upload_mean": round(sum(steps_during) / len(steps_during), 3) if steps_during else None,
-        "loaded_back_step": train["step"], "loaded_digest": digest_saved[:16],
+        "loaded_back_step": train["step"], "loaded_digest_matches_saved": digest_saved == saved_digest,
     }
     print(json.dumps(res))
 
