@@ -40,6 +40,11 @@ from providers.base import Handle, LaunchRequest, NodeState, Offer, Provider, Re
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOOTSTRAP = REPO_ROOT / "infra" / "node_bootstrap.py"
+# Providers whose nodes run on this machine (this interpreter, this checkout). Every other
+# provider runs the bootstrap on a remote node, inside the project copy it received as the
+# launch's workdir (SkyPilot workdir sync, the Modal image), with that node's own python.
+ON_THIS_MACHINE = ("local", "fake")
+REMOTE_COMMAND = ["python", "infra/node_bootstrap.py"]
 JOB_YAML = "job.yaml"
 WATCHDOG = "watchdog.json"
 EXIT_BAD_CONFIG = runuri.EXIT_BAD_CONFIG
@@ -422,8 +427,9 @@ class Controller:
             env["DTRUN_CONTROLLER_LOST_MINUTES"] = f"{s.teardown.controller_lost_minutes:g}"
         # AWS_* credentials for the run URI reach local nodes through the process environment
         # only (the local provider merges env over os.environ); they are never put here.
+        command = [sys.executable, str(BOOTSTRAP)] if offer.provider in ON_THIS_MACHINE else list(REMOTE_COMMAND)
         return LaunchRequest(job=self.name, attempt=n, offer=offer, nodes=s.resources.nodes,
-                             command=[sys.executable, str(BOOTSTRAP)], env=env, deadline=deadline,
+                             command=command, env=env, deadline=deadline,
                              workdir=str(REPO_ROOT), log_path=log_path)
 
     def _launch_failed(self, n: int, outcome: str, reason: str, delay: float) -> None:

@@ -108,3 +108,31 @@ def test_bad_command_line_is_a_usage_error_exit_2(dtrun_home, argv, says):
         code = main(argv)
     assert code == 2, err.getvalue()
     assert says in err.getvalue() and "internal error" not in err.getvalue()
+
+
+def test_remote_nodes_get_a_bootstrap_command_that_exists_on_the_node(tmp_path):
+    # SkyPilot syncs the project to the node's workdir, Modal copies it into the image: this
+    # machine's interpreter and absolute repo path do not exist there (every attempt would FAIL,
+    # after paying for provisioning). The local provider runs here and keeps them.
+    import sys
+    from pathlib import Path
+
+    from orchestrator.controller import REPO_ROOT
+    from orchestrator.spec import parse_spec
+    from providers.base import Offer
+    from providers.skypilot import build_task_config
+
+    spec = parse_spec({"name": "remote", "resources": {"providers": ["runpod", "modal", "local"], "gpu": "H100",
+                                                        "gpus_per_node": 8},
+                       "trainer": {"model": "gpt2-124m", "steps": 100, "batch_size": 64, "seq_len": 1024},
+                       "checkpoint": {"uri": "s3://bucket/runs/remote"}, "budget": {"max_usd": 500}})
+    c = Controller(spec, StateStore(tmp_path / "s.db"), clock=VirtualClock(), providers={})
+    for prov in ("runpod", "modal"):
+        req = c._launch_request(1, Offer(prov, "any", "H100", 8, False, 2.89), "x.log", 0.0, None)
+        assert req.command == ["python", "infra/node_bootstrap.py"], req.command
+        assert (Path(req.workdir) / req.command[1]).is_file()
+    run = build_task_config("runpod", c._launch_request(1, Offer("runpod", "any", "H100", 8, False, 2.89),
+                                                        "x.log", 0.0, None))["run"]
+    assert str(REPO_ROOT) not in run and sys.executable not in run
+    local = c._launch_request(1, Offer("local", "local", "cpu", 2, False, 0.0), "x.log", 0.0, None)
+    assert local.command[0] == sys.executable and Path(local.command[1]).is_file()
