@@ -22,6 +22,7 @@ from orchestrator.errors import (
     EXIT_JOB_FAILED,
     EXIT_OK,
     NotFoundError,
+    ProviderRefused,
 )
 from orchestrator.state import TERMINAL_STATES, StateStore, dtrun_home
 
@@ -307,6 +308,7 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
         else:
             _err("the estimate is over budget.max_usd; nothing rented")
         return code
+    _check_credentials(plan.chosen.provider)
 
     store = StateStore()
     existing = store.get_job(spec.name)
@@ -363,6 +365,18 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
             sys.stdout.write(json.dumps(job_status(store, row) if row else {"name": spec.name}) + "\n")
         return EXIT_OK
     return _foreground(spec, plan, store, str(Path(job).resolve()), json_out)
+
+
+def _check_credentials(provider: str) -> None:
+    """The chosen offer's provider has credentials (its standard place), else exit 5 before the
+    controller starts: nothing rented, no provider SDK started."""
+    from providers import errors as perr
+    from providers import registry
+
+    try:
+        registry.get(provider).check_credentials()
+    except perr.AuthError as e:
+        raise ProviderRefused(f"{e}; nothing rented") from None
 
 
 def _foreground(spec, plan, store: StateStore, spec_path: str, json_out: bool) -> int:

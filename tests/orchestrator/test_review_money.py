@@ -136,3 +136,23 @@ def test_remote_nodes_get_a_bootstrap_command_that_exists_on_the_node(tmp_path):
     assert str(REPO_ROOT) not in run and sys.executable not in run
     local = c._launch_request(1, Offer("local", "local", "cpu", 2, False, 0.0), "x.log", 0.0, None)
     assert local.command[0] == sys.executable and Path(local.command[1]).is_file()
+
+
+def test_up_without_provider_credentials_is_exit_5_before_anything_starts(dtrun_home, tmp_path, monkeypatch):
+    # Documented: 5 = a provider refused (missing credentials), nothing rented. It used to start
+    # the controller (whose orphan sweep starts SkyPilot's API server) and end FAILED, exit 1.
+    from orchestrator.errors import EXIT_PROVIDER, DtrunError
+    from orchestrator.runcmd import cmd_up
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for k in ("RUNPOD_API_KEY", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "MODAL_CONFIG_PATH"):
+        monkeypatch.delenv(k, raising=False)
+    job = tmp_path / "job.yaml"
+    job.write_text("name: rp\nresources: {providers: [runpod], gpu: H100, gpus_per_node: 1, spot: false}\n"
+                   "trainer: {model: tiny, steps: 10, batch_size: 8, seq_len: 64}\n"
+                   f"checkpoint: {{uri: {tmp_path / 'run'}}}\nbudget: {{max_usd: 10}}\n")
+    with pytest.raises(DtrunError) as ei:
+        cmd_up(job, yes=True)
+    assert ei.value.exit_code == EXIT_PROVIDER
+    assert "RUNPOD_API_KEY" in str(ei.value) and "nothing rented" in str(ei.value)
+    assert StateStore().get_job("rp") is None
