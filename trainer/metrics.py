@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from orchestrator import runuri
@@ -44,6 +46,13 @@ class Metrics:
         self._win_t, self._win_step = time.perf_counter(), None
         self.tokens_per_s = 0.0
         self.mfu: float | None = None
+        # Storage writes run on one background thread (rank 0): on S3 a metrics.jsonl "append" is a
+        # GET + PUT of the whole file, which must not stall the training loop (and, through the
+        # next all-reduce, every rank). Rows queued while a write is in flight go out together.
+        self._lock = threading.Lock()
+        self._rows: list[str] = []
+        self._beat: dict[str, Any] | None = None
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtrun-metrics") if rank == 0 else None
 
     def _rate(self, step: int) -> None:
         now = time.perf_counter()
@@ -71,10 +80,34 @@ class Metrics:
         rec = {"step": step, "steps": self.steps, "loss": loss, "tokens_per_s": round(self.tokens_per_s, 2),
                "mfu": self.mfu, "last_committed_step": last_committed, "time": now, "attempt": self.attempt,
                "world_size": self.world_size, "status": status, **extra}
+        with self._lock:
+            self._beat = rec
+        self._io.submit(self._write_progress)
+
+    def _write_progress(self) -> None:
+        with self._lock:
+            rec, self._beat = self._beat, None
+        if rec is None:
+            return
         try:
             runuri.write_json(runuri.join(self.run_uri, runuri.PROGRESS), rec)
         except Exception as e:  # noqa: BLE001 - a missed heartbeat must not kill training
             log.warning("progress.json write failed: %s: %s", type(e).__name__, e)
+
+    def _append_rows(self) -> None:
+        with self._lock:
+            rows, self._rows = self._rows, []
+        if not rows:
+            return
+        try:
+            runuri.append_line(runuri.join(self.run_uri, runuri.METRICS), "\n".join(rows))
+        except Exception as e:  # noqa: BLE001
+            log.warning("metrics.jsonl append failed: %s: %s", type(e).__name__, e)
+
+    def close(self) -> None:
+        """Finish the queued writes (every rank may call it)."""
+        if self._io is not None:
+            self._io.shutdown(wait=True)
 
     def step(self, step: int, loss: float, grad_norm: float, lr: float, last_committed: int | None) -> None:
         """Called on every rank after each step (``step`` = completed steps)."""
@@ -87,10 +120,9 @@ class Metrics:
             mfu = f" mfu {self.mfu:.1%}" if self.mfu is not None else ""
             log.info("step %d/%d loss %.4f grad_norm %.3f lr %.3g tok/s %.0f%s", step, self.steps, loss,
                      grad_norm, lr, self.tokens_per_s, mfu)
-            try:
-                runuri.append_line(runuri.join(self.run_uri, runuri.METRICS), _json(row))
-            except Exception as e:  # noqa: BLE001
-                log.warning("metrics.jsonl append failed: %s: %s", type(e).__name__, e)
+            with self._lock:
+                self._rows.append(_json(row))
+            self._io.submit(self._append_rows)
         self.progress(step, loss, last_committed)
 
 

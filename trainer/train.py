@@ -354,3 +354,4 @@ class Run:
         finally:
             poll_done.set()
             ckpt.close()
+            metrics.close()

@@ -410,3 +410,38 @@ def test_metadata_read_failing_on_one_rank_sends_every_rank_to_the_previous_chec
         raise AssertionError(f"ranks hung: {out[-2000:]}") from None
     assert p.returncode == 0, out[-3000:]
     assert "RANK0 resumed=1" in out and "RANK1 resumed=1" in out, out[-3000:]
+
+
+def test_metrics_writes_do_not_stall_the_loop_and_are_flushed_on_close(tmp_path, monkeypatch):
+    # On S3 a metrics.jsonl append is a GET + PUT of the whole file: the loop must not wait for it.
+    import json
+    import time
+
+    from orchestrator import runuri
+    from trainer.metrics import Metrics
+
+    real_append, real_write = runuri.append_line, runuri.write_json
+
+    def slow_append(uri, line):
+        time.sleep(0.3)
+        real_append(uri, line)
+
+    def slow_write(uri, obj):
+        time.sleep(0.3)
+        real_write(uri, obj)
+
+    monkeypatch.setattr(runuri, "append_line", slow_append)
+    monkeypatch.setattr(runuri, "write_json", slow_write)
+    uri = f"file://{tmp_path}/run"
+    m = Metrics(uri, rank=0, steps=6, world_size=1, tokens_per_step=8, flops_per_token=1.0,
+                peak_flops_per_rank=None, heartbeat_s=0.0, log_every=1)
+    t0 = time.perf_counter()
+    for s in range(1, 7):
+        m.step(s, 1.0 / s, 0.5, 1e-3, None)
+    m.progress(6, 1 / 6, 6, status="done", force=True, exit_code=0)
+    assert time.perf_counter() - t0 < 1.0  # 12 slow writes (3.6 s) queued, none waited for
+    m.close()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    prog = json.loads((tmp_path / "run" / "progress.json").read_text())
+    assert prog["status"] == "done" and prog["exit_code"] == 0 and prog["last_committed_step"] == 6
