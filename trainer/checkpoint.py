@@ -229,7 +229,18 @@ class CheckpointManager:
                 continue
             self.last_committed = step
             self.last_saved_step = step
+            if self.rank == 0:
+                for newer in (s for s in steps if s > step):
+                    # Unloadable: remove it, or its stale COMMITTED would vouch for the mix of old and
+                    # new files a later save of the same step leaves behind if it is killed midway.
+                    log.warning("removing unloadable checkpoint step-%d (resuming from step-%d)", newer, step)
+                    runuri.remove(runuri.checkpoint_uri(self.run_uri, newer), recursive=True)
             return train
+        if steps:
+            # Never a silent fresh start over COMMITTED checkpoints (a storage outage at resume would
+            # otherwise restart the run from step 0 and retention would then delete the good ones).
+            raise RuntimeError(f"{len(steps)} COMMITTED checkpoint(s) under {self.run_uri} (steps {steps}) but none "
+                               f"could be loaded; not starting from scratch (retry, or use a fresh run URI)")
         return None
 
     def _load(self, uri: str, model, optimizer, loader) -> dict[str, Any]:

@@ -250,6 +250,7 @@ def test_fp8_without_torchao_is_a_clear_config_error(monkeypatch):
 def test_corrupt_newest_committed_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
     import logging
 
+    from orchestrator import runuri
     from trainer.checkpoint import CheckpointManager
 
     model = build_model(PRESETS["tiny"], seed=0)
@@ -273,6 +274,14 @@ def test_corrupt_newest_committed_checkpoint_falls_back_to_the_previous(tmp_path
     assert train["step"] == 2 and train["tokens"] == 14 and fresh.samples_seen == 4
     assert "step-4 is COMMITTED but failed to load" in caplog.text
     assert torch.equal(m2.tok_emb.weight, model.tok_emb.weight)
+    # The unloadable step-4 is gone: a later save of step 4 cannot mix with its files under its COMMITTED.
+    assert runuri.checkpoint_steps(uri) == [2]
+
+    # Every COMMITTED checkpoint unloadable: an error, never a silent start from step 0.
+    (tmp_path / "run/checkpoints/step-2/.metadata").write_bytes(b"not a pickle")
+    with pytest.raises(RuntimeError, match="none could be loaded"):
+        CheckpointManager(uri, keep=3, async_mode="async", rank=0, world_size=1, dp_rank=0,
+                          describe={}).load_latest(m2, torch.optim.AdamW(m2.parameters()), fresh)
 
 
 def test_z_loss_adds_coef_times_mean_squared_log_partition():
