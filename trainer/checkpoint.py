@@ -23,7 +23,10 @@ uncommitted, logs a warning and training goes on; the next interval tries again.
 Resume takes the newest COMMITTED step; partial folders (no COMMITTED) are ignored (and removed
 at start-up when newer than it). A checkpoint whose model keys or shapes differ from the model
 raises ``ConfigError`` (exit 2): never a silent fresh start. A COMMITTED checkpoint that fails to
-load for another reason → warning, and the previous COMMITTED one is tried.
+load for another reason → warning, and the previous COMMITTED one is tried (every rank falls back
+together; the unloadable newer folder is then removed). If none loads, an error (exit 1, retry):
+never a fresh start over COMMITTED checkpoints. Before the emergency/STOP/final save every rank
+adopts rank 0's last COMMITTED step (``settle``).
 """
 
 from __future__ import annotations
