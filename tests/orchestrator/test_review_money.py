@@ -150,9 +150,27 @@ def test_up_without_provider_credentials_is_exit_5_before_anything_starts(dtrun_
     job = tmp_path / "job.yaml"
     job.write_text("name: rp\nresources: {providers: [runpod], gpu: H100, gpus_per_node: 1, spot: false}\n"
                    "trainer: {model: tiny, steps: 10, batch_size: 8, seq_len: 64}\n"
-                   f"checkpoint: {{uri: {tmp_path / 'run'}}}\nbudget: {{max_usd: 10}}\n")
+                   "checkpoint: {uri: 's3://bucket/runs/{name}'}\nbudget: {max_usd: 10}\n")
     with pytest.raises(DtrunError) as ei:
         cmd_up(job, yes=True)
     assert ei.value.exit_code == EXIT_PROVIDER
     assert "RUNPOD_API_KEY" in str(ei.value) and "nothing rented" in str(ei.value)
+    assert StateStore().get_job("rp") is None
+
+
+def test_up_refuses_a_local_disk_run_uri_for_remote_nodes(dtrun_home, tmp_path, monkeypatch):
+    # The run URI is the only channel between controller and node: a rented node cannot read
+    # job.yaml from (or write checkpoints to) this machine's disk, so the attempt could only fail
+    # after provisioning was paid for. Refused before anything starts, naming the field.
+    from orchestrator.errors import EXIT_INVALID, DtrunError
+    from orchestrator.runcmd import cmd_up
+
+    monkeypatch.setenv("RUNPOD_API_KEY", "rk-test")
+    job = tmp_path / "job.yaml"
+    job.write_text("name: rp\nresources: {providers: [runpod], gpu: H100, gpus_per_node: 1, spot: false}\n"
+                   "trainer: {model: tiny, steps: 10, batch_size: 8, seq_len: 64}\nbudget: {max_usd: 10}\n")
+    with pytest.raises(DtrunError) as ei:
+        cmd_up(job, yes=True)
+    assert ei.value.exit_code == EXIT_INVALID
+    assert "checkpoint.uri" in str(ei.value) and "s3://" in str(ei.value) and "rk-test" not in str(ei.value)
     assert StateStore().get_job("rp") is None
