@@ -134,6 +134,23 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
                       "nothing will be rented. Raise budget.max_usd, cut trainer.tokens/steps, or allow cheaper offers.")
 
 
+ON_THIS_MACHINE = ("local", "fake")
+
+
+def check_run_uri_reachable(spec, plan, source: str) -> None:
+    """The run URI is the only channel between controller and nodes: a rented node cannot reach
+    this machine's disk (it would fail to read job.yaml after provisioning was paid for)."""
+    if not spec.run_uri.startswith("file://"):
+        return
+    remote = sorted({o.provider for o in plan.offers if o.provider not in ON_THIS_MACHINE})
+    if remote:
+        from orchestrator.errors import SpecError
+
+        raise SpecError(f"{source}: checkpoint.uri {spec.checkpoint.uri!r} is on this machine's disk, which "
+                        f"nodes rented on {', '.join(remote)} cannot reach; use an s3:// run URI "
+                        "(e.g. checkpoint.uri: s3://my-bucket/dtrun/{name}); nothing rented")
+
+
 def verdict_exit_code(spec: JobSpec, plan: Plan, report: dict[str, Any], strict: bool) -> int:
     if strict and report.get("traps"):
         return EXIT_INVALID
@@ -147,6 +164,7 @@ def verdict_exit_code(spec: JobSpec, plan: Plan, report: dict[str, Any], strict:
 def cmd_dry_run(job: Path, json_out: bool, strict: bool = False) -> int:
     spec = load_spec(job)
     plan = make_plan(spec)
+    check_run_uri_reachable(spec, plan, str(job))
     report = plan_report(spec, plan)
     code = verdict_exit_code(spec, plan, report, strict)
     if json_out:

@@ -25,6 +25,7 @@ from orchestrator.errors import (
     ProviderRefused,
     SpecError,
 )
+from orchestrator.dryrun import check_run_uri_reachable as _check_run_uri_reachable
 from orchestrator.state import TERMINAL_STATES, StateStore, dtrun_home
 
 
@@ -367,21 +368,6 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
             sys.stdout.write(json.dumps(job_status(store, row) if row else {"name": spec.name}) + "\n")
         return EXIT_OK
     return _foreground(spec, plan, store, str(Path(job).resolve()), json_out)
-
-
-ON_THIS_MACHINE = ("local", "fake")
-
-
-def _check_run_uri_reachable(spec, plan, source: str) -> None:
-    """The run URI is the only channel between controller and nodes: a rented node cannot reach
-    this machine's disk (it would fail to read job.yaml after provisioning was paid for)."""
-    if not spec.run_uri.startswith("file://"):
-        return
-    remote = sorted({o.provider for o in plan.offers if o.provider not in ON_THIS_MACHINE})
-    if remote:
-        raise SpecError(f"{source}: checkpoint.uri {spec.checkpoint.uri!r} is on this machine's disk, which "
-                        f"nodes rented on {', '.join(remote)} cannot reach; use an s3:// run URI "
-                        "(e.g. checkpoint.uri: s3://my-bucket/dtrun/{name}); nothing rented")
 
 
 def _check_credentials(provider: str) -> None:

@@ -174,3 +174,11 @@ def test_strict_makes_traps_exit_2(capsys, tmp_path):
     assert rc == 0 and any(t["code"] == "no-lr-warmup" for t in out["traps"])
     rc, out = run_json(capsys, ["up", str(f), "--dry-run", "--json", "--strict"])
     assert rc == 2
+
+
+def test_dry_run_refuses_a_local_run_uri_for_rented_nodes(capsys, tmp_path):
+    f = job_file(tmp_path, checkpoint__uri="./runs/{name}")
+    rc = main(["up", str(f), "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "checkpoint.uri" in err and "s3://" in err
