@@ -25,11 +25,23 @@ def peak_flops(device_type: str) -> float | None:
         return None
     import torch
 
+    return peak_flops_for_name(torch.cuda.get_device_name())
+
+
+H100_PCIE_PEAK_BF16 = 756e12  # the PCIe card's dense bf16 peak; the table's H100 is the SXM part
+
+
+def peak_flops_for_name(device_name: str) -> float | None:
+    """Peak for a CUDA device name such as 'NVIDIA GeForce RTX 4090' or 'NVIDIA H100 PCIe'."""
     from orchestrator.gpus import GPUS
 
-    name = torch.cuda.get_device_name().upper()
-    for key in sorted(GPUS, key=len, reverse=True):
-        if key != "cpu" and key.replace("-", " ").split(" ")[0] in name.replace("-", " "):
+    compact = device_name.upper().replace(" ", "").replace("-", "")
+    for key in sorted(GPUS, key=len, reverse=True):  # longest first: A100 before A10, L40S before L4
+        if key == "cpu":
+            continue
+        if key.split("-")[0].upper() in compact:
+            if key == "H100" and "PCIE" in compact:
+                return H100_PCIE_PEAK_BF16
             return GPUS[key].peak_bf16_flops
     return None
 
