@@ -431,12 +431,24 @@ def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: 
     from orchestrator.spec import load_spec
 
     spec = load_spec(job)
+    note = None
+    if preemptions_per_hour is not None and spec.resources.spot == "prefer":
+        # The user asks what spot at this rate would do: simulate the spot side of "prefer"
+        # (the plan alone may rank on-demand first, where a preemption rate means nothing).
+        spot_spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"spot": True})})
+        if est_mod.make_plan(spot_spec, preemptions_per_hour=preemptions_per_hour).chosen is not None:
+            spec = spot_spec
+            note = "resources.spot: prefer with --preemptions-per-hour: simulating the cheapest spot offer"
     out = simulate(spec, preemptions_per_hour, runs, seed)
     out["young_daly"] = compare_young_daly(spec, out, preemptions_per_hour, runs, seed)
+    if note:
+        out["note"] = note
     if json_out:
         typer.echo(json.dumps(out, sort_keys=True, default=float))
         return EXIT_OK
     p = out
+    if note:
+        typer.echo(note)
     typer.echo(f"{spec.name}: {p['runs']} simulated runs on {p['offer']} (${p['price_per_hour']:.2f}/h), "
                f"{p['preemptions_per_hour']:g} preemptions/h, checkpoint every {p['checkpoint_every_steps']} steps "
                f"({p['elapsed_s']:.1f} s)")

@@ -159,3 +159,17 @@ def test_preemption_count_matches_the_exposure_model():
     n = rate * W / (1 - rate * ell)
     assert out["preemptions_mean"] == pytest.approx(n, abs=0.3)
     assert out["attempts_mean"] == pytest.approx(1 + out["preemptions_mean"], abs=0.05)
+
+
+def test_prefer_with_a_rate_simulates_the_spot_offer(capsys):
+    import json
+    from pathlib import Path
+
+    from orchestrator.simulate import cmd_simulate
+
+    job = Path(__file__).resolve().parents[2] / "jobs" / "gpt2-124m.yaml"
+    assert cmd_simulate(job, 2.0, 20, 0, True) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["offer"].endswith("/spot")
+    assert out["preemptions_per_hour"] == 2.0 and out["preemptions_mean"] > 0
+    assert "spot" in out["note"]
