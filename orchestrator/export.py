@@ -7,8 +7,10 @@ SkyPilot's optimizer picks the cheapest. The resolved job spec travels in ``DTRU
 ``setup`` writes it to ``<run-uri>/job.yaml`` when absent, which is where the node bootstrap
 reads it. The output is validated with ``sky.Task.from_yaml_config`` before it is printed.
 
-Nothing secret is ever included: credentials for an ``s3://`` run URI are passed at launch
-(``sky launch --secret AWS_ACCESS_KEY_ID --secret AWS_SECRET_ACCESS_KEY``), as the header says.
+Nothing secret is ever included: for an ``s3://`` run URI or data the task lists the AWS keys
+under ``secrets:`` with no value (SkyPilot's form for "supplied at launch"), filled by
+``sky launch --secret AWS_ACCESS_KEY_ID --secret AWS_SECRET_ACCESS_KEY`` from the user's
+environment, as the header says.
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ def skypilot_task(spec: JobSpec, workdir: str = ".") -> tuple[dict[str, Any], li
     cfg["name"] = f"dtrun-{spec.name}"
     cfg["resources"] = {"accelerators": cfg["resources"]["accelerators"], "any_of": any_of}
     cfg["setup"] = f"{SETUP}\n{WRITE_JOB_YAML}"
+    from orchestrator.nodecreds import ACCESS_KEY, SECRET_KEY, s3_uses
+
+    if s3_uses(spec):
+        # No value: SkyPilot takes it from `sky launch --secret KEY` (the local environment's KEY).
+        cfg["secrets"] = {ACCESS_KEY: None, SECRET_KEY: None}
     return cfg, notes
 
 
@@ -116,9 +123,11 @@ def render_yaml(cfg: dict[str, Any], notes: list[str], spec: JobSpec, validated:
     head = [f"# SkyPilot task for dtrun job {spec.name!r} — `sky launch -c dtrun-{spec.name} <this file> "
             f"--down -i 3` from the project root.",
             "# The node bootstrap enforces the budget and deadline; the cluster removes itself after the job.",
-            "# No secrets here: for an s3:// run URI pass credentials at launch, e.g.",
+            "# No secrets here: for an s3:// run URI or data, `secrets:` lists the AWS keys with no value;",
+            "# pass them at launch from your environment (SkyPilot redacts them in its logs):",
             "#   sky launch ... --secret AWS_ACCESS_KEY_ID --secret AWS_SECRET_ACCESS_KEY",
-            "# (and AWS_ENDPOINT_URL / AWS_DEFAULT_REGION with --env if your bucket needs them)."]
+            "# (plus --secret AWS_SESSION_TOKEN for temporary keys, and AWS_ENDPOINT_URL /",
+            "# AWS_DEFAULT_REGION with --env if your bucket needs them)."]
     head += [f"# note: {n}" for n in notes]
     if not validated:
         head.append("# NOT validated: SkyPilot is not installed here (pip install 'dtrun[skypilot]').")

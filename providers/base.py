@@ -113,12 +113,20 @@ class LaunchRequest:
     command: list[str]
     """The node bootstrap command (argv), run once per node."""
     env: dict[str, str] = field(default_factory=dict)
-    """Environment for the bootstrap (no secrets are logged or stored from here)."""
+    """Non-secret environment for the bootstrap (recorded by some providers; never put a secret
+    here: secrets go in ``secrets``)."""
     deadline: float | None = None
     """Unix time after which the node must be gone whatever happens (provider-side timeout)."""
     workdir: str | None = None
     """Directory synced to the node (the project), when the provider supports it."""
     log_path: str | None = None
+    secrets: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    """Secret environment for the bootstrap (the object store's AWS keys for an ``s3://`` run URI
+    or data on a remote node). Never logged, never persisted: not in the state store, the fake
+    cloud's file, a Handle, a provider's memo file or an exported YAML; ``repr`` leaves it out.
+    Remote providers hand it to their SDK's secret mechanism (SkyPilot task ``secrets``, a Modal
+    ``Secret``); nodes on this machine (local, fake) get nothing here: they inherit the process
+    environment."""
 
     @property
     def instance_name(self) -> str:

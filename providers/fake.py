@@ -401,6 +401,8 @@ class FakeProvider(Provider):
         return sorted(out, key=lambda o: o.price_per_hour)
 
     def launch(self, request: LaunchRequest) -> Handle:
+        # ``request.secrets`` is accepted and dropped: the fake cloud's nodes run nothing, and
+        # its JSON file must never hold a secret (env keys that look secret are dropped too).
         offer = request.offer
         req = Requirements(gpu=offer.gpu, gpus_per_node=offer.gpus_per_node, nodes=request.nodes,
                            spot=offer.spot)

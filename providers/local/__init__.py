@@ -193,7 +193,9 @@ class LocalProvider(Provider):
         if request.deadline is not None:
             argv += ["--deadline", repr(float(request.deadline))]
         argv += ["--", *request.command]
-        env = {**os.environ, **request.env, MARKER_ENV: iid}
+        # The node inherits this process's environment (the controller leaves ``secrets`` empty
+        # for local nodes); secrets a caller does pass reach the child only, never the registry.
+        env = {**os.environ, **request.env, **request.secrets, MARKER_ENV: iid}
         now = time.time()
         with open(log_path, "ab") as log:
             try:

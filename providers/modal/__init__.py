@@ -2,7 +2,9 @@
 
 * **Launch**: ``modal.Sandbox.create(<node bootstrap argv>, gpu="H100:8", timeout=<seconds to
   the hard deadline, at most 24 h>, image=<debian-slim + the project pip-installed>,
-  app=App "dtrun", name=<instance name>, tags={"dtrun": "1", "dtrun_job": …, "dtrun_name": …})``.
+  app=App "dtrun", name=<instance name>, tags={"dtrun": "1", "dtrun_job": …, "dtrun_name": …},
+  secrets=[modal.Secret.from_dict(request.secrets)])`` (the AWS keys for an ``s3://`` run URI:
+  an ephemeral Modal secret, never in ``env``, the memo file or the handle).
   The sandbox ends when its command exits (the node removes itself) or at ``timeout``.
 * **Poll**: ``sandbox.poll()``: None → RUNNING; 0 → SUCCEEDED; 75/76 → PREEMPTED; 137
   (terminated) → TERMINATED if dtrun terminated it, else PREEMPTED (Modal took it);
@@ -155,6 +157,7 @@ class ModalProvider(Provider):
             gpu=f"{MODAL_GPUS[offer.gpu]}:{offer.gpus_per_node}", timeout=min(MAX_TIMEOUT, timeout),
             tags={**TAG, "dtrun_job": request.job, "dtrun_name": request.instance_name},
             region=None if offer.region in ("", "any") else offer.region, workdir=request.workdir,
+            secrets=dict(request.secrets),
         )
 
     def launch(self, request: LaunchRequest) -> Handle:

@@ -29,6 +29,9 @@ class SandboxSpec:
     region: str | None = None
     workdir: str | None = None
     """Local project directory copied into the image and pip-installed (None: not needed)."""
+    secrets: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    """Secret environment (``LaunchRequest.secrets``), sent as ``modal.Secret.from_dict``; never
+    stored or logged by dtrun."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +61,10 @@ class ModalAPI:
         import modal
 
         app = modal.App.lookup(self.app_name, create_if_missing=True)
+        secrets = [modal.Secret.from_dict(dict(spec.secrets))] if spec.secrets else None
         sb = modal.Sandbox.create(
             *spec.command, app=app, name=spec.name, tags=spec.tags, image=self._image(spec.workdir),
-            env=dict(spec.env), timeout=spec.timeout, gpu=spec.gpu, region=spec.region,
+            env=dict(spec.env), secrets=secrets, timeout=spec.timeout, gpu=spec.gpu, region=spec.region,
             workdir=REMOTE_DIR if spec.workdir else None,
         )
         return sb.object_id

@@ -6,7 +6,9 @@ One attempt = one SkyPilot cluster named ``request.instance_name`` (``dtrun-<job
   ``run`` is the node bootstrap (it echoes ``DTRUN_EXIT_CODE=<rc>`` as its last line so a FAILED
   job can still be told apart from a clean "resume me" exit 75/76), ``envs`` = the request's env
   plus ``DTRUN_DEADLINE``, ``resources = {accelerators: "H100:8", use_spot, infra:
-  "<cloud>[/<region>]"}``, ``num_nodes``. Every generated task is validated with SkyPilot's own
+  "<cloud>[/<region>]"}``, ``num_nodes``, ``secrets`` = the request's secrets (the AWS keys for an
+  ``s3://`` run URI; SkyPilot redacts task secrets wherever it logs or stores the task; dtrun
+  keeps the task dict in memory only). Every generated task is validated with SkyPilot's own
   ``sky.Task.from_yaml_config`` (``dtrun export --skypilot`` prints the same dict).
 * **Launch**: ``sky.launch(..., down=True, idle_minutes_to_autostop=N)`` — the cluster removes
   itself N minutes after its job ends, with or without a controller; the node bootstrap's
@@ -145,6 +147,10 @@ def build_task_config(cloud: str, request: LaunchRequest) -> dict[str, Any]:
     if request.workdir:
         cfg["workdir"] = request.workdir
         cfg["setup"] = SETUP
+    if request.secrets:
+        # SkyPilot's task ``secrets``: set in the node's environment like ``envs``, but redacted
+        # in SkyPilot's logs, its cluster records and every YAML it writes.
+        cfg["secrets"] = {k: str(v) for k, v in request.secrets.items()}
     return cfg
 
 
