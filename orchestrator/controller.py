@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -52,6 +53,31 @@ EXIT_BAD_CONFIG = runuri.EXIT_BAD_CONFIG
 
 class ControllerBusy(DtrunError):
     """Another live controller process owns this job."""
+
+
+MAX_TICK_FAILURES = 20
+"""Consecutive ticks that raised an unexpected exception after which the controller gives up."""
+TICK_BACKOFF_CAP_SECONDS = 60.0
+
+
+class ControllerGaveUp(DtrunError):
+    """``MAX_TICK_FAILURES`` ticks in a row raised: the controller exits (exit 1) and leaves the
+    nodes to their own watchdogs (budget, deadline, lease, idle); nothing is recorded terminated.
+    ``dtrun up`` of the job re-attaches; ``dtrun down`` stops it."""
+
+
+_SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL", re.I)
+
+
+def describe_error(e: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` (at most ``limit`` characters) with the values of
+    secret-looking environment variables (``*KEY*``, ``*SECRET*``, ``*TOKEN*``, …) masked."""
+    lines = str(e).strip().splitlines()
+    msg = lines[0][:limit] if lines else ""
+    for name, value in os.environ.items():
+        if len(value) >= 8 and _SECRET_NAME.search(name) and value in msg:
+            msg = msg.replace(value, f"<{name}>")
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
 def resolved_spec(spec: JobSpec) -> JobSpec:
@@ -250,19 +276,37 @@ class Controller:
     def run(self, should_pause: Callable[[], bool] | None = None,
             on_tick: Callable[["Controller"], None] | None = None) -> str:
         """Tick until a final state (returned). ``should_pause`` returning True makes ``run``
-        return "INTERRUPTED" at the next tick boundary with everything committed."""
+        return "INTERRUPTED" at the next tick boundary with everything committed.
+
+        A tick that raises an unexpected exception (a provider SDK bug, a full disk) is recorded
+        as a ``controller_error`` event (type and first line of the message, secrets masked) and
+        retried after a backoff: one poll interval, doubling, capped at 60 s (or the poll interval
+        if longer). Every transition is committed before it is acted on, so a retried tick picks
+        up where the failed one stopped. ``MAX_TICK_FAILURES`` failures in a row → a
+        ``controller_exit`` event and :class:`ControllerGaveUp`; the nodes are left running
+        under their own watchdogs, none is recorded terminated."""
         self.start()
+        failures = 0
         try:
             while True:
                 started = self.now()
-                state = self.tick()
-                if on_tick:
-                    on_tick(self)
-                if state in TERMINAL_STATES:
-                    return state
+                try:
+                    state = self.tick()
+                    if on_tick:
+                        on_tick(self)
+                except ControllerBusy:
+                    raise
+                except Exception as e:  # noqa: BLE001 - one bad tick must not end recovery
+                    failures += 1
+                    delay = self._tick_failed(e, failures)
+                else:
+                    failures = 0
+                    if state in TERMINAL_STATES:
+                        return state
+                    delay = self._next_delay(state)
                 # Ticks start every poll seconds (not poll seconds after the last one ended), so
                 # an event is seen at most one poll interval after it happened.
-                wake = started + self._next_delay(state)
+                wake = started + delay
                 while True:
                     if should_pause and should_pause():
                         return "INTERRUPTED"
@@ -273,6 +317,38 @@ class Controller:
         finally:
             if self.state in TERMINAL_STATES or (should_pause and should_pause()):
                 self.store.release_controller(self.name, self.pid)
+
+    def _tick_failed(self, e: Exception, failures: int) -> float:
+        """Record a failed tick; the delay before the next one, or raise ControllerGaveUp."""
+        what = describe_error(e)
+        tb = e.__traceback__
+        frames = []
+        while tb is not None:
+            co = tb.tb_frame.f_code
+            frames.append(f"{Path(co.co_filename).name}:{tb.tb_lineno} in {co.co_name}")
+            tb = tb.tb_next
+        data = {"type": type(e).__name__, "failures": failures, "where": frames[-4:]}
+        if failures >= MAX_TICK_FAILURES:
+            reason = (f"controller exiting after {failures} consecutive failed ticks (last: {what}); the nodes "
+                      f"keep running under their own watchdogs (budget, deadline, lease, idle): "
+                      f"`dtrun up` of the job re-attaches, `dtrun down {self.name}` stops it")
+            self._safe_event("controller_exit", reason, data)
+            try:
+                self.store.release_controller(self.name, self.pid)
+            except Exception:  # noqa: BLE001 - the store may be what is broken
+                pass
+            raise ControllerGaveUp(reason) from e
+        delay = min(self.poll * 2 ** (failures - 1), max(TICK_BACKOFF_CAP_SECONDS, self.poll))
+        self._safe_event("controller_error", f"tick failed ({failures} in a row, giving up at "
+                                             f"{MAX_TICK_FAILURES}): {what}; retrying in {delay:.0f} s", data)
+        return delay
+
+    def _safe_event(self, type_: str, message: str, data: dict) -> None:
+        try:
+            self.event(type_, message, data)
+        except Exception as e:  # noqa: BLE001 - the state store itself may be failing
+            print(f"dtrun controller: {type_}: {message} (not recorded: {describe_error(e)})",
+                  file=sys.stderr, flush=True)
 
     def _next_delay(self, state: str) -> float:
         """Seconds until the next tick: one poll, except that a pending launch (PENDING, or
@@ -533,9 +609,13 @@ class Controller:
             running_at = self.job_attempt_running_at(n) or now
             last_beat = float(prog["time"]) if mine and prog and isinstance(prog.get("time"), (int, float)) else running_at
             last_beat = max(last_beat, running_at)
+            # Keyed on the heartbeat's time only: the trainer beats from a thread through long
+            # phases (checkpoint load, first-step compile) without a step; "no step" is the
+            # idle guard's business (teardown.idle_minutes, below).
             if now - last_beat > hb:
+                phase = f", trainer phase {prog.get('phase')}" if mine and prog and prog.get("phase") else ""
                 self._begin_recovery("lost", f"attempt {n}: no heartbeat for {now - last_beat:.0f} s "
-                                             f"(recovery.heartbeat_timeout_seconds = {hb:g})")
+                                             f"(recovery.heartbeat_timeout_seconds = {hb:g}{phase})")
                 return
             self._guard(now, running=True)
             return
