@@ -31,8 +31,9 @@ from typing import Any, Callable
 
 from orchestrator import runuri
 from orchestrator.clock import Clock, RealClock
-from orchestrator.errors import DtrunError
+from orchestrator.errors import DtrunError, ProviderRefused
 from orchestrator.guard import Guard, attempt_price_per_hour
+from orchestrator.nodecreds import node_storage
 from orchestrator.recovery import FailoverStrategy
 from orchestrator.spec import JobSpec, spec_to_yaml
 from orchestrator.state import ACTIVE_STATES, HOST, TERMINAL_STATES, StateStore, dtrun_home
@@ -170,6 +171,10 @@ class Controller:
         self._ensure_plan()
         self.spec = self._resolve_auto(self.spec)
         reattach = job is not None and job["state"] in ACTIVE_STATES
+        if not reattach and self.plan.chosen is not None:
+            # A remote node needs the object store's credentials: refuse (exit 5) before the job
+            # row exists and before anything is rented, naming what to set.
+            node_storage(self.spec, self.plan.chosen.provider)
         if not reattach:
             est = self.plan.estimate.to_dict() if getattr(self.plan, "estimate", None) is not None else None
             self.store.create_job(self.name, spec_to_yaml(self.spec), self.run_uri, spec_path=self.spec_path,
@@ -435,6 +440,11 @@ class Controller:
         if self.recovery_started is None:
             self.recovery_started = now  # provisioning is bounded by max_recovery_minutes too
         offer = self.strategy.current
+        try:
+            node_env, node_secrets = node_storage(self.spec, offer.provider)
+        except ProviderRefused as e:
+            self._provider_refused(offer.provider, str(e))
+            return
         price = attempt_price_per_hour(self.spec, offer)
         spent = self.store.spend_total(self.name)
         v = self.guard.may_launch(now=now, spent=spent, price_per_hour=price, deadline=job["deadline"])
@@ -451,7 +461,7 @@ class Controller:
         self.transition("PROVISIONING", f"attempt {n} on {offer.key()} (${price:.2f}/h)")
         for stale in (runuri.STOP, WATCHDOG):
             runuri.remove(runuri.join(self.run_uri, stale))
-        req = self._launch_request(n, offer, log_path, spent, job["deadline"])
+        req = self._launch_request(n, offer, log_path, spent, job["deadline"], node_env, node_secrets)
         try:
             handle = self.provider(offer.provider).launch(req)
         except (perr.NoCapacity, perr.QuotaExceeded) as e:
@@ -463,7 +473,11 @@ class Controller:
             delay = self.strategy.transient()
             self._launch_failed(n, "launch_error", f"transient: {e}", delay)
             return
-        except (perr.AuthError, perr.NotSupported) as e:
+        except perr.AuthError as e:
+            self.store.update_attempt(self.name, n, state="ENDED", outcome="refused", reason=str(e), ended_at=self.now())
+            self._provider_refused(offer.provider, f"{offer.provider} refused: {e}")
+            return
+        except perr.NotSupported as e:
             self.store.update_attempt(self.name, n, state="ENDED", outcome="refused", reason=str(e), ended_at=self.now())
             self._finish("FAILED", f"{offer.provider} refused: {e}")
             return
@@ -482,8 +496,24 @@ class Controller:
                    {"attempt": n, "instance_id": handle.instance_id, "provider": offer.provider,
                     "data": {k: v for k, v in handle.data.items() if k in ("pid", "pgid", "log_path")}})
 
+    def _provider_refused(self, provider: str, reason: str) -> None:
+        """``provider`` cannot be used (credentials): drop its offers and launch the next one at
+        once; the job FAILs only when no offer is left."""
+        assert self.strategy is not None
+        if not self.strategy.drop_provider(provider):
+            self._finish("FAILED", reason)
+            return
+        now = self.now()
+        self.next_launch_at = now
+        if self.recovery_started is None:
+            self.recovery_started = now
+        nxt = self.strategy.current.key()
+        self.event("refused", f"{reason}; skipping {provider}, next offer {nxt}", {"provider": provider})
+        self.transition("RECOVERING", f"{reason}; next offer {nxt}")
+
     def _launch_request(self, n: int, offer: Offer, log_path: str, spent: float,
-                        deadline: float | None) -> LaunchRequest:
+                        deadline: float | None, node_env: dict[str, str] | None = None,
+                        node_secrets: dict[str, str] | None = None) -> LaunchRequest:
         s = self.spec
         env = {
             "DTRUN_RUN_URI": self.run_uri,
@@ -501,12 +531,14 @@ class Controller:
             env["DTRUN_DEADLINE"] = f"{deadline:.3f}"
         if s.teardown.controller_lost_minutes is not None:
             env["DTRUN_CONTROLLER_LOST_MINUTES"] = f"{s.teardown.controller_lost_minutes:g}"
-        # AWS_* credentials for the run URI reach local nodes through the process environment
-        # only (the local provider merges env over os.environ); they are never put here.
+        # S3 access (orchestrator.nodecreds): nodes on this machine inherit the process
+        # environment; a remote node gets the endpoint/region here and the AWS keys in
+        # ``secrets`` (never logged, never stored) — nothing for a file:// run URI.
+        env.update(node_env or {})
         command = [sys.executable, str(BOOTSTRAP)] if offer.provider in ON_THIS_MACHINE else list(REMOTE_COMMAND)
         return LaunchRequest(job=self.name, attempt=n, offer=offer, nodes=s.resources.nodes,
                              command=command, env=env, deadline=deadline,
-                             workdir=str(REPO_ROOT), log_path=log_path)
+                             workdir=str(REPO_ROOT), log_path=log_path, secrets=dict(node_secrets or {}))
 
     def _launch_failed(self, n: int, outcome: str, reason: str, delay: float) -> None:
         now = self.now()

@@ -10,6 +10,9 @@ produces written down.
     offer 2 → NoCapacity … last offer too  → back to offer 1 after backoff (a new round)
     offer 1 → Transient launch error        → offer 1 again after backoff
     trainer crash (FAILED)                  → offer 1 again after backoff (counts as a restart)
+    offer 1 → AuthError (or no S3 credentials for its remote nodes)
+                                            → every offer of that provider dropped, the next
+                                              offer at once; none left → the job FAILs
 
 Backoff: ``recovery.backoff_seconds`` × 2^(consecutive failures − 1), capped at 5 minutes; an
 attempt that makes training progress resets the count.
@@ -55,6 +58,18 @@ class FailoverStrategy:
     def transient(self) -> float:
         self.failures += 1
         return self.backoff()
+
+    def drop_provider(self, provider: str) -> bool:
+        """Forget every offer of ``provider`` (it refused: credentials); the current offer moves to
+        the next remaining one in the ranking. False (nothing changed) when no other offer is left."""
+        keep = [o for o in self.offers if o.provider != provider]
+        if not keep:
+            return False
+        before = sum(1 for o in self.offers[:self.index] if o.provider != provider)
+        self.offers = keep
+        self.index = before % len(keep)
+        self._blocked.clear()
+        return True
 
     def no_capacity(self) -> float:
         """The current offer refused: move to the next; delay only once every offer refused."""

@@ -312,6 +312,10 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
         return code
     _check_run_uri_reachable(spec, plan, str(job))
     _check_credentials(plan.chosen.provider)
+    # A remote node needs the object store's AWS credentials (exit 5 naming what to set).
+    from orchestrator.nodecreds import node_storage
+
+    node_storage(spec, plan.chosen.provider)
 
     store = StateStore()
     existing = store.get_job(spec.name)
