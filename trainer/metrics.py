@@ -2,7 +2,22 @@
 
 ``progress.json`` keys (contract): step, steps, loss, tokens_per_s, mfu (null on CPU),
 last_committed_step, time, attempt, world_size — plus ``status`` (training, done, stopped,
-preempted) and, when the trainer exits, ``exit_code``.
+preempted), ``phase`` (see ``PHASES``) and, when the trainer exits, ``exit_code``.
+
+The heartbeat is not tied to steps: from ``start_heartbeat`` on, a rank-0 thread rewrites
+``progress.json`` every ``trainer.heartbeat_seconds`` with a fresh ``time``, so a long checkpoint
+load or a first step that compiles for minutes is not mistaken for a dead node (the controller's
+``recovery.heartbeat_timeout_seconds`` keys on ``time``). ``step`` only moves when a step
+completes, and the "no progress" guards (the controller's and the node watchdog's
+``teardown.idle_minutes``) key on ``step``: a phase that never ends (a load that hangs) is still
+torn down after ``idle_minutes``, not kept alive by its heartbeat.
+
+One exception keeps a hung training loop detectable: in the ``training`` phase the thread stops
+refreshing ``time`` once no step has completed for ``stall_s`` (the trainer passes half of
+``recovery.heartbeat_timeout_seconds``), so a loop stuck in a collective still goes stale as it did
+before this thread existed. A steady-state step longer than about 1.5 × the heartbeat timeout is
+therefore treated as a hang; the one-off phases (starting, loading_checkpoint, first_step,
+checkpointing, stopping) are bounded by ``idle_minutes`` instead.
 """
 
 from __future__ import annotations
@@ -17,6 +32,11 @@ from typing import Any
 from orchestrator import runuri
 
 log = logging.getLogger("trainer")
+
+PHASES = ("starting", "loading_checkpoint", "first_step", "training", "checkpointing", "stopping")
+"""``progress.json["phase"]``: starting (process group, model build, parallelise), loading_checkpoint
+(resume), first_step (the first step of this attempt: compilation, warm-up), training,
+checkpointing (a save inside the loop), stopping (SIGTERM / STOP / last step: final save, DONE, exit)."""
 
 
 def peak_flops(device_type: str) -> float | None:
@@ -48,7 +68,8 @@ def peak_flops_for_name(device_name: str) -> float | None:
 
 class Metrics:
     def __init__(self, run_uri: str, *, rank: int, steps: int, world_size: int, tokens_per_step: int,
-                 flops_per_token: float, peak_flops_per_rank: float | None, heartbeat_s: float, log_every: int):
+                 flops_per_token: float, peak_flops_per_rank: float | None, heartbeat_s: float, log_every: int,
+                 stall_s: float | None = None):
         self.run_uri, self.rank, self.steps, self.world_size = run_uri, rank, steps, world_size
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak = peak_flops_per_rank
@@ -65,6 +86,14 @@ class Metrics:
         self._rows: list[str] = []
         self._beat: dict[str, Any] | None = None
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtrun-metrics") if rank == 0 else None
+        # What the next heartbeat says; the heartbeat thread rewrites it with a fresh time.
+        self.stall_s = stall_s
+        self.phase = "starting"
+        self._cur: dict[str, Any] = {"step": 0, "loss": None, "last_committed": None, "status": "training",
+                                     "extra": {}}
+        self._activity = time.monotonic()  # the last completed step or phase change
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
 
     def _rate(self, step: int) -> None:
         now = time.perf_counter()
@@ -82,19 +111,64 @@ class Metrics:
         self._win_t, self._win_step = time.perf_counter(), step
 
     def progress(self, step: int, loss: float | None, last_committed: int | None, *, status: str = "training",
-                 force: bool = False, **extra: Any) -> None:
+                 force: bool = False, phase: str | None = None, **extra: Any) -> None:
+        """Record the state the heartbeat reports; write it if forced or one is due."""
         if self.rank != 0:
             return
-        now = time.time()
-        if not force and now - self._last_beat < self.heartbeat_s:
-            return
-        self._last_beat = now
-        rec = {"step": step, "steps": self.steps, "loss": loss, "tokens_per_s": round(self.tokens_per_s, 2),
-               "mfu": self.mfu, "last_committed_step": last_committed, "time": now, "attempt": self.attempt,
-               "world_size": self.world_size, "status": status, **extra}
         with self._lock:
-            self._beat = rec
-        self._io.submit(self._write_progress)
+            if phase is not None and phase != self.phase:
+                assert phase in PHASES, phase
+                self.phase = phase
+                self._activity = time.monotonic()
+            self._cur = {"step": step, "loss": loss, "last_committed": last_committed, "status": status,
+                         "extra": extra}
+        self._heartbeat(force)
+
+    def set_phase(self, phase: str) -> None:
+        """Enter ``phase`` (one of ``PHASES``) and write the heartbeat now (rank 0; else a no-op)."""
+        if self.rank != 0:
+            return
+        assert phase in PHASES, phase
+        with self._lock:
+            self.phase = phase
+            self._activity = time.monotonic()
+        self._heartbeat(True)
+
+    def _heartbeat(self, force: bool, *, from_thread: bool = False) -> None:
+        now = time.time()
+        with self._lock:
+            if not force and now - self._last_beat < self.heartbeat_s:
+                return
+            if (from_thread and self.phase == "training" and self.stall_s is not None
+                    and time.monotonic() - self._activity > self.stall_s):
+                return  # no step for stall_s: let the heartbeat go stale (a hung loop)
+            self._last_beat = now
+            c = self._cur
+            self._beat = {"step": c["step"], "steps": self.steps, "loss": c["loss"],
+                          "tokens_per_s": round(self.tokens_per_s, 2), "mfu": self.mfu,
+                          "last_committed_step": c["last_committed"], "time": now, "attempt": self.attempt,
+                          "world_size": self.world_size, "status": c["status"], "phase": self.phase,
+                          **c["extra"]}
+        try:
+            self._io.submit(self._write_progress)
+        except RuntimeError:  # close() already shut the writer down
+            pass
+
+    def start_heartbeat(self, step: int = 0, last_committed: int | None = None) -> None:
+        """Write the heartbeat now, then every ``heartbeat_s`` from a background thread until
+        ``close`` (rank 0; else a no-op)."""
+        if self.rank != 0 or self._hb_thread is not None:
+            return
+        with self._lock:
+            self._cur.update(step=step, last_committed=last_committed)
+        self._heartbeat(True)
+
+        def loop() -> None:
+            while not self._hb_stop.wait(min(self.heartbeat_s / 2, 5.0)):
+                self._heartbeat(False, from_thread=True)
+
+        self._hb_thread = threading.Thread(target=loop, name="dtrun-heartbeat", daemon=True)
+        self._hb_thread.start()
 
     def _write_progress(self) -> None:
         with self._lock:
@@ -117,7 +191,10 @@ class Metrics:
             log.warning("metrics.jsonl append failed: %s: %s", type(e).__name__, e)
 
     def close(self) -> None:
-        """Finish the queued writes (every rank may call it)."""
+        """Stop the heartbeat thread, finish the queued writes (every rank may call it)."""
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join()
         if self._io is not None:
             self._io.shutdown(wait=True)
 
@@ -135,7 +212,10 @@ class Metrics:
             with self._lock:
                 self._rows.append(_json(row))
             self._io.submit(self._append_rows)
-        self.progress(step, loss, last_committed)
+        with self._lock:
+            self._activity = time.monotonic()
+        # The first completed step of this attempt ends first_step (compilation, warm-up).
+        self.progress(step, loss, last_committed, phase="training" if self.phase == "first_step" else None)
 
 
 def _json(obj: Any) -> str:

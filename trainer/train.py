@@ -4,7 +4,10 @@ Order of events (every failure before step 1 is a one-line error and exit 2):
 
 1. load and validate the job spec; ``ParallelDims`` against ``WORLD_SIZE`` — before any process
    group; batch sizes against the data-parallel degree;
-2. rank 0 probes the run URI (write, read back, delete) — unreachable/unwritable → exit 2;
+2. rank 0 probes the run URI (write, read back, delete) — unreachable/unwritable → exit 2; then
+   starts the heartbeat thread (trainer.metrics): progress.json every ``trainer.heartbeat_seconds``
+   from here on, whatever the main thread does, with ``phase`` starting → loading_checkpoint →
+   first_step → training (⇄ checkpointing) → stopping;
 3. process groups (gloo on CPU, nccl + gloo on GPU), meshes; the model is built on the meta
    device, parallelised (TP → EP → AC → compile → FSDP2), materialised and initialised from the
    seed; optimizer; data loader;
@@ -41,6 +44,10 @@ AUTO_CHECKPOINT_SECONDS = 600.0
 
 STEP_SLEEP_ENV = "DTRUN_DEBUG_STEP_SLEEP"
 """Debug/test knob: seconds to sleep after each step (lets tests kill a run between checkpoints)."""
+
+LOAD_SLEEP_ENV = "DTRUN_DEBUG_LOAD_SLEEP"
+"""Test-only knob: seconds to sleep in the ``loading_checkpoint`` phase (before the resume), to
+stand for a slow checkpoint load in heartbeat tests. Never set it in a real run."""
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -172,10 +179,36 @@ class Run:
                 err = box[0]
             if err:
                 raise ConfigError(err)
-            return self._train()
+            self.metrics = self._start_heartbeat()
+            try:
+                return self._train()
+            finally:
+                self.metrics.close()
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+    def _start_heartbeat(self):
+        """Metrics with the heartbeat thread running (phase ``starting``): from here on rank 0
+        rewrites progress.json every ``trainer.heartbeat_seconds``, whatever the main thread is
+        doing (building the model, loading a checkpoint, compiling the first step)."""
+        from trainer.metrics import Metrics, peak_flops
+
+        t = self.spec.trainer
+        metrics = Metrics(self.run_uri, rank=self.rank, steps=t.total_steps, world_size=self.world,
+                          tokens_per_step=t.tokens_per_step, flops_per_token=t.model_spec.flops_per_token(t.seq_len),
+                          peak_flops_per_rank=peak_flops(self.device.type), heartbeat_s=t.heartbeat_seconds,
+                          log_every=t.log_every, stall_s=self.spec.recovery.heartbeat_timeout_seconds / 2)
+        step, committed = 0, None
+        if self.rank == 0:
+            try:  # until the resume, report the step it will most likely resume from
+                lc = runuri.latest_committed(self.run_uri)
+                if lc:
+                    step = committed = lc[0]
+            except Exception:  # noqa: BLE001 - only a hint; the load decides
+                pass
+        metrics.start_heartbeat(step, committed)
+        return metrics
 
     def _train(self) -> int:
         import torch
@@ -183,7 +216,6 @@ class Run:
 
         from trainer.checkpoint import CheckpointManager, param_digest
         from trainer.data import DataLoader, build_source
-        from trainer.metrics import Metrics, peak_flops
         from trainer.model import build_model, loss_fn
         from trainer.optim import build_optimizer, lr_at
         from trainer.parallel import (amp_context, build_meshes, clip_grad_norm_, finish_expert_grads,
@@ -224,12 +256,13 @@ class Run:
         ckpt = CheckpointManager(self.run_uri, keep=spec.checkpoint.keep, async_mode=spec.checkpoint.async_mode,
                                  rank=self.rank, world_size=self.world, dp_rank=dp_rank, describe=describe)
         total = t.total_steps
-        metrics = Metrics(self.run_uri, rank=self.rank, steps=total, world_size=self.world,
-                          tokens_per_step=t.tokens_per_step, flops_per_token=ms.flops_per_token(t.seq_len),
-                          peak_flops_per_rank=peak_flops(device.type), heartbeat_s=t.heartbeat_seconds,
-                          log_every=t.log_every)
+        metrics = self.metrics
 
         step, tokens, last_loss = 0, 0, float("nan")
+        metrics.set_phase("loading_checkpoint")
+        load_sleep = float(os.environ.get(LOAD_SLEEP_ENV, "0") or 0)
+        if load_sleep:
+            time.sleep(load_sleep)
         resumed = ckpt.load_latest(model, optimizer, loader)
         if resumed is not None:
             step, tokens, last_loss = int(resumed["step"]), int(resumed["tokens"]), float(resumed["loss"])
@@ -241,7 +274,7 @@ class Run:
         if self.rank == 0:
             threading.Thread(target=_stop_poller, args=(self.run_uri, flags, poll_done), daemon=True).start()
         metrics.start(step)
-        metrics.progress(step, None if step == 0 else last_loss, ckpt.last_committed, force=True)
+        metrics.progress(step, None if step == 0 else last_loss, ckpt.last_committed, force=True, phase="first_step")
         last_auto = time.monotonic()
         step_sleep = float(os.environ.get(STEP_SLEEP_ENV, "0") or 0)
         state_bytes: dict[str, int] | None = None
@@ -249,12 +282,18 @@ class Run:
         t_start = time.time()
 
         def save(at: int, sync: bool = False) -> None:
+            in_loop = metrics.phase == "training"  # else: stopping (the final/emergency save)
+            if in_loop:
+                metrics.set_phase("checkpointing")
             sd = ckpt.state_dict(model, optimizer, loader, {"step": at, "tokens": tokens, "loss": last_loss})
             ckpt.save(at, sd, {"tokens": tokens, "loss": last_loss}, sync=sync)
+            if in_loop:
+                metrics.set_phase("training")
 
         def finish(code: int, status: str) -> int:
             poll_done.set()
-            metrics.progress(step, last_loss, ckpt.last_committed, status=status, force=True, exit_code=code)
+            metrics.progress(step, last_loss, ckpt.last_committed, status=status, force=True, exit_code=code,
+                             phase="stopping")
             return code
 
         try:
@@ -312,6 +351,7 @@ class Run:
 
                 if term > 0:
                     log.warning("SIGTERM: emergency checkpoint at step %d", step)
+                    metrics.set_phase("stopping")
                     ckpt.settle()
                     if ckpt.last_committed != step:
                         save(step, sync=True)
@@ -319,6 +359,7 @@ class Run:
                 if stop > 0:
                     if self.rank == 0:
                         log.info("STOP found in the run URI: checkpoint at step %d and exit", step)
+                    metrics.set_phase("stopping")
                     ckpt.settle()
                     if ckpt.last_committed != step:
                         save(step, sync=True)
@@ -328,6 +369,7 @@ class Run:
                     save(step)
                     last_auto = time.monotonic()
 
+            metrics.set_phase("stopping")
             ckpt.settle()
             if ckpt.last_committed != step:
                 save(step, sync=True)
@@ -354,4 +396,3 @@ class Run:
         finally:
             poll_done.set()
             ckpt.close()
-            metrics.close()
