@@ -183,3 +183,17 @@ def test_poll_always_raising_stops_the_controller_with_the_reason_and_leaves_the
     ctl2 = Controller(spec(tmp_path), store, clock=ctl.clock, providers={"fake": cloud})
     assert ctl2.run() == "SUCCEEDED"
     assert len(store.attempts("resil")) == 1
+
+
+def test_detached_controller_reports_giving_up_and_exits_1(tmp_path, dtrun_home, monkeypatch, capsys):
+    from orchestrator import controller, controller_main
+    from orchestrator.spec import spec_to_yaml
+
+    def gave_up(self, should_pause=None, on_tick=None):
+        raise ControllerGaveUp("controller exiting after 20 consecutive failed ticks (last: RuntimeError: x)")
+
+    monkeypatch.setattr(controller.Controller, "run", gave_up)
+    path = tmp_path / "job.yaml"
+    path.write_text(spec_to_yaml(spec(tmp_path)))
+    assert controller_main.main(["--spec", str(path)]) == 1
+    assert "20 consecutive failed ticks" in capsys.readouterr().err
