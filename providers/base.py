@@ -12,6 +12,12 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from orchestrator.runuri import EXIT_PREEMPTED, EXIT_WATCHDOG
+
+# Node exit codes that mean "stopped cleanly, resume me": the trainer's SIGTERM exit and the node
+# watchdog's stop (orchestrator/runuri.py is the source of both numbers).
+PREEMPT_EXIT_CODES = (EXIT_PREEMPTED, EXIT_WATCHDOG)
+
 
 class NodeState(str, enum.Enum):
     PENDING = "PENDING"          # requested, not running yet (provisioning, setup)

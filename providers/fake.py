@@ -66,6 +66,7 @@ from typing import Any, Callable, Iterator
 
 from providers import errors as perr
 from providers.base import (
+    PREEMPT_EXIT_CODES,
     NAME_PREFIX,
     Capabilities,
     Capability,
@@ -80,7 +81,6 @@ from providers.base import (
 
 Clock = Callable[[], float]
 
-PREEMPT_EXIT_CODES = (75, 76)
 """Exit codes that mean "stopped cleanly, resume me" (runuri.EXIT_PREEMPTED, EXIT_WATCHDOG)."""
 
 _SECRET_RE = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL)", re.I)

@@ -186,12 +186,16 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
             accum = loader.accum_steps
             loss_val = torch.zeros((), device=device)
             it = iter(loader.batches(step))
+            m_i = 0
             while True:
                 with record_function("dtrun/data"):
                     batch = next(it, None)
                 if batch is None:
                     break
                 x, y = batch
+                if meshes.fsdp is not None and accum > 1:  # as train.py: reduce-scatter on the last micro-batch only
+                    model.set_requires_gradient_sync(m_i == accum - 1)
+                m_i += 1
                 with record_function("dtrun/forward_backward"):
                     with amp_context(device, param_dtype, meshes):
                         loss, ce = loss_fn(model(x), y, t.z_loss)

@@ -38,6 +38,7 @@ from typing import Any, Iterator
 
 from providers import errors as perr
 from providers.base import (
+    PREEMPT_EXIT_CODES,
     NAME_PREFIX,
     Capabilities,
     Capability,
@@ -50,7 +51,6 @@ from providers.base import (
     Requirements,
 )
 
-PREEMPT_EXIT_CODES = (75, 76)
 MARKER_ENV = "DTRUN_LOCAL_ID"
 WRAPPER = str(Path(__file__).with_name("wrapper.py"))
 _PROC = Path("/proc")

@@ -30,6 +30,7 @@ from typing import Any
 from providers import errors as perr
 from providers._jsonstore import dtrun_home, locked_json
 from providers.base import (
+    PREEMPT_EXIT_CODES,
     NAME_PREFIX,
     Capabilities,
     Capability,
@@ -43,7 +44,6 @@ from providers.base import (
 )
 from providers.modal.api import ModalAPI, SandboxRecord, SandboxSpec
 
-PREEMPT_EXIT_CODES = (75, 76)
 MAX_TIMEOUT = 24 * 3600
 DEFAULT_TIMEOUT = 24 * 3600
 TAG = {"dtrun": "1"}

@@ -40,6 +40,7 @@ from typing import Any
 from providers import errors as perr
 from providers._jsonstore import dtrun_home, locked_json
 from providers.base import (
+    PREEMPT_EXIT_CODES,
     NAME_PREFIX,
     Capabilities,
     Capability,
@@ -53,7 +54,6 @@ from providers.base import (
 )
 from providers.skypilot.api import ClusterRecord, JobRecord, SkyAPI
 
-PREEMPT_EXIT_CODES = (75, 76)
 DEFAULT_IDLE_MINUTES = 3
 EXIT_MARKER = "DTRUN_EXIT_CODE="
 _EXIT_RE = re.compile(r"DTRUN_EXIT_CODE=(-?\d+)")
