@@ -189,7 +189,10 @@ class NodeConfig:
 
 def torchrun_flags(cfg: NodeConfig) -> list[str]:
     """torchrun's launcher flags for this node (everything before ``-m trainer``)."""
-    flags = ["--nproc-per-node", str(cfg.nproc_per_node)]
+    # torchrun SIGKILLs workers --shutdown-timeout seconds after forwarding a SIGTERM (default 30):
+    # give the emergency checkpoint the same grace the watchdog gives the whole node.
+    flags = ["--nproc-per-node", str(cfg.nproc_per_node),
+             "--shutdown-timeout", str(max(1, int(cfg.kill_grace_seconds)))]
     if cfg.nnodes == 1:
         return ["--standalone", *flags]
     return [*flags, "--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank),

@@ -71,15 +71,18 @@ def _alive(pid: int) -> bool:
 def test_single_node_is_standalone_with_gpu_count_fallbacks():
     cfg = nb.NodeConfig.from_env({"DTRUN_RUN_URI": "s3://b/r", "DTRUN_JOB": "j", "RUNPOD_GPU_COUNT": "4"})
     assert cfg.nproc_per_node == 4 and cfg.nnodes == 1
-    assert nb.torchrun_flags(cfg) == ["--standalone", "--nproc-per-node", "4"]
+    assert nb.torchrun_flags(cfg) == ["--standalone", "--nproc-per-node", "4", "--shutdown-timeout", "40"]
     argv = nb.trainer_argv(cfg, "/tmp/job.yaml")
-    assert argv[2:] == ["--standalone", "--nproc-per-node", "4", "-m", "trainer",
+    assert argv[2:] == ["--standalone", "--nproc-per-node", "4", "--shutdown-timeout", "40", "-m", "trainer",
                         "--job", "/tmp/job.yaml", "--run-uri", "s3://b/r"]
     assert argv[1].endswith("torchrun_launch.py")
     cfg = nb.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j", "GPU_COUNT": "2",
                                   "DTRUN_NPROC_PER_NODE": "3"})
     assert cfg.nproc_per_node == 3
     assert nb.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j"}).nproc_per_node == 1
+    # The workers' grace after a forwarded SIGTERM follows the watchdog's kill grace.
+    cfg = nb.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j", "DTRUN_KILL_GRACE_SECONDS": "300"})
+    assert nb.torchrun_flags(cfg)[-2:] == ["--shutdown-timeout", "300"]
 
 
 def test_skypilot_multi_node_maps_to_static_rendezvous():
@@ -87,7 +90,7 @@ def test_skypilot_multi_node_maps_to_static_rendezvous():
            "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n", "SKYPILOT_NUM_GPUS_PER_NODE": "8",
            "DTRUN_MASTER_PORT": "29600"}
     cfg = nb.NodeConfig.from_env(env)
-    assert nb.torchrun_flags(cfg) == ["--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
+    assert nb.torchrun_flags(cfg) == ["--nproc-per-node", "8", "--shutdown-timeout", "40", "--nnodes", "2", "--node-rank", "1",
                                       "--master-addr", "10.0.0.5", "--master-port", "29600"]
 
 
