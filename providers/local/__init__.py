@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from providers import errors as perr
+from providers._jsonstore import dtrun_home, locked_json
 from providers.base import (
     PREEMPT_EXIT_CODES,
     NAME_PREFIX,
@@ -54,10 +55,6 @@ from providers.base import (
 MARKER_ENV = "DTRUN_LOCAL_ID"
 WRAPPER = str(Path(__file__).with_name("wrapper.py"))
 _PROC = Path("/proc")
-
-
-def dtrun_home() -> Path:
-    return Path(os.environ.get("DTRUN_HOME") or "~/.dtrun").expanduser()
 
 
 # ---- /proc helpers (Linux; elsewhere we fall back to kill(pid, 0)) -----------------------------
@@ -133,27 +130,9 @@ class LocalProvider(Provider):
 
     @contextlib.contextmanager
     def _registry(self) -> Iterator[dict[str, Any]]:
-        import fcntl
-
-        with self._tlock:
-            path = self.registry_path
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path.with_name("instances.lock"), "a+") as lf:
-                fcntl.flock(lf.fileno(), fcntl.LOCK_EX)
-                try:
-                    try:
-                        reg = json.loads(path.read_text())
-                    except (FileNotFoundError, json.JSONDecodeError):
-                        reg = {"instances": {}}
-                    before = json.dumps(reg, sort_keys=True)
-                    yield reg
-                    after = json.dumps(reg, sort_keys=True)
-                    if after != before:
-                        tmp = path.with_name(f"instances.json.tmp.{os.getpid()}")
-                        tmp.write_text(after)
-                        os.replace(tmp, path)
-                finally:
-                    fcntl.flock(lf.fileno(), fcntl.LOCK_UN)
+        """The registry of launched nodes, locked across threads and processes."""
+        with self._tlock, locked_json(self.registry_path, {"instances": {}}) as reg:
+            yield reg
 
     # ---- Provider interface ----------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
