@@ -57,8 +57,8 @@ def main() -> None:
 def run(uri: str) -> None:
     import torch
 
-    from orchestrator import runuri
-    from orchestrator.presets import ModelSpec
+    from orchestrator.contract import runuri
+    from orchestrator.plan.presets import ModelSpec
     from trainer.checkpoint import CheckpointManager, param_digest
     from trainer.data import DataLoader, SyntheticSource
     from trainer.model import build_model, loss_fn

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "sky", "boto3", "botocore", "modal")
 PROBE = (
-    "import sys; from orchestrator.cli import main; rc = main({argv!r}); "
+    "import sys; from orchestrator.cli.app import main; rc = main({argv!r}); "
     "heavy = sorted(m for m in {heavy!r} if m in sys.modules); "
     "sys.stderr.write('HEAVY=' + ','.join(heavy) + '\\n'); sys.exit(rc)"
 )

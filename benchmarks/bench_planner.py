@@ -19,9 +19,9 @@ import argparse
 import json
 import time
 
-from orchestrator.planner import Parallel, evaluate_rung, plan
-from orchestrator.presets import PRESETS
-from orchestrator.spec import parse_spec
+from orchestrator.plan.planner import Parallel, evaluate_rung, plan
+from orchestrator.plan.presets import PRESETS
+from orchestrator.plan.spec import parse_spec
 
 
 def spec_for(model, seq: int, mb: int, precision: str, gpu: str = "H100", gpn: int = 1):

@@ -31,10 +31,10 @@ sys.path.insert(0, str(REPO))
 
 
 def one_run(poll: float, workdir: Path, i: int) -> dict:
-    from orchestrator import runuri
-    from orchestrator.controller import Controller
-    from orchestrator.spec import parse_spec
-    from orchestrator.state import StateStore
+    from orchestrator.contract import runuri
+    from orchestrator.run.controller import Controller
+    from orchestrator.plan.spec import parse_spec
+    from orchestrator.run.state import StateStore
 
     name = f"bench-recovery-{i}"
     uri = f"file://{workdir}/runs/{name}"

@@ -46,8 +46,8 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("DTRUN_HOME", tempfile.mkdtemp(prefix="dtrun-bench-"))
 
-    from orchestrator.simulate import compare_young_daly, simulate
-    from orchestrator.spec import load_spec
+    from orchestrator.run.simulate import compare_young_daly, simulate
+    from orchestrator.plan.spec import load_spec
 
     spec = load_spec(args.job)
     spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"spot": True})})

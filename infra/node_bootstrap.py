@@ -2,7 +2,7 @@
 
 Run on every node as ``python infra/node_bootstrap.py`` (the controller puts this command in
 ``LaunchRequest.command``). It needs only the standard library and fsspec (through
-``orchestrator.runuri``); it never imports torch, so the watchdog stays light and responsive.
+``orchestrator.contract.runuri``); it never imports torch, so the watchdog stays light and responsive.
 
 What it does, in order:
 
@@ -65,7 +65,7 @@ _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from orchestrator import runuri  # noqa: E402  (stdlib + lazily fsspec; never torch)
+from orchestrator.contract import runuri  # noqa: E402  (stdlib + lazily fsspec; never torch)
 
 EXIT_WATCHDOG = getattr(runuri, "EXIT_WATCHDOG", 76)
 EXIT_PREEMPTED = runuri.EXIT_PREEMPTED

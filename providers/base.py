@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from orchestrator.runuri import EXIT_PREEMPTED, EXIT_WATCHDOG
+from orchestrator.contract.runuri import EXIT_PREEMPTED, EXIT_WATCHDOG
 
 # Node exit codes that mean "stopped cleanly, resume me": the trainer's SIGTERM exit and the node
 # watchdog's stop (orchestrator/runuri.py is the source of both numbers).

@@ -1,4 +1,4 @@
-from orchestrator import runuri
+from orchestrator.contract import runuri
 
 
 def test_moto_round_trip_through_runuri(s3_bucket):

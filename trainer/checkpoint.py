@@ -44,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from orchestrator import runuri
+from orchestrator.contract import runuri
 from trainer.errors import ConfigError
 
 log = logging.getLogger("trainer.checkpoint")

@@ -82,7 +82,7 @@ class ShardSource:
     def __init__(self, uri: str, seq_len: int, vocab_size: int):
         import fsspec
 
-        from orchestrator.runuri import _fs
+        from orchestrator.contract.runuri import _fs
 
         self.T, self.V = seq_len, vocab_size
         try:

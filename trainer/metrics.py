@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from orchestrator import runuri
+from orchestrator.contract import runuri
 
 log = logging.getLogger("trainer")
 
@@ -40,7 +40,7 @@ checkpointing (a save inside the loop), stopping (SIGTERM / STOP / last step: fi
 
 
 def peak_flops(device_type: str) -> float | None:
-    """Peak dense bf16 FLOP/s of this rank's GPU (orchestrator.gpus), None on CPU/unknown."""
+    """Peak dense bf16 FLOP/s of this rank's GPU (orchestrator.contract.gpus), None on CPU/unknown."""
     if device_type != "cuda":
         return None
     import torch
@@ -53,7 +53,7 @@ H100_PCIE_PEAK_BF16 = 756e12  # the PCIe card's dense bf16 peak; the table's H10
 
 def peak_flops_for_name(device_name: str) -> float | None:
     """Peak for a CUDA device name such as 'NVIDIA GeForce RTX 4090' or 'NVIDIA H100 PCIe'."""
-    from orchestrator.gpus import GPUS
+    from orchestrator.contract.gpus import GPUS
 
     compact = device_name.upper().replace(" ", "").replace("-", "")
     for key in sorted(GPUS, key=len, reverse=True):  # longest first: A100 before A10, L40S before L4

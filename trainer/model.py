@@ -1,4 +1,4 @@
-"""A pure GPT (optionally mixture-of-experts) built from ``orchestrator.presets.ModelSpec``.
+"""A pure GPT (optionally mixture-of-experts) built from ``orchestrator.plan.presets.ModelSpec``.
 
 Pure means: no meshes, no process groups, no parallelism. ``trainer/parallel.py`` applies tensor
 parallelism, activation checkpointing, compile and FSDP2 afterwards (torchtitan's order), and the
@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from orchestrator.presets import ModelSpec
+from orchestrator.plan.presets import ModelSpec
 
 
 def _norm(spec: ModelSpec, dim: int) -> nn.Module:

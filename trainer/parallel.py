@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from orchestrator.presets import ModelSpec
+from orchestrator.plan.presets import ModelSpec
 from trainer.errors import ConfigError
 
 

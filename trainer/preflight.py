@@ -28,7 +28,7 @@ import time
 import uuid
 from typing import Any
 
-from orchestrator import runuri
+from orchestrator.contract import runuri
 
 PREFLIGHT_DIR = "preflight"
 
@@ -81,7 +81,7 @@ def _roundtrip(uri: str, rank: int, world: int) -> tuple[str, str] | None:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.tensor import DTensor
 
-    from orchestrator.presets import PRESETS
+    from orchestrator.plan.presets import PRESETS
     from trainer.checkpoint import _reader, _writer
     from trainer.model import build_model, loss_fn
     from trainer.parallel import ParallelDims, build_meshes, parallelize

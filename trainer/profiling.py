@@ -22,7 +22,7 @@ time into:
 On GPU the split is of host wall time with a device synchronise at the end of every step (kernel
 time is in compute unless a collective blocks). Traces (Chrome JSON, one per rank) and the
 breakdown go to ``<run-uri>/profile/``. MFU = achieved FLOP/s (``ModelSpec.flops_per_token``) over
-the ranks' peak (the GPU's data-sheet bf16 peak; on CPU, ``orchestrator.gpus``' nominal CPU figure).
+the ranks' peak (the GPU's data-sheet bf16 peak; on CPU, ``orchestrator.contract.gpus``' nominal CPU figure).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import tempfile
 import time
 from typing import Any
 
-from orchestrator import runuri
+from orchestrator.contract import runuri
 
 PROFILE_DIR = "profile"
 MFU_VERDICT_THRESHOLD = 0.30
@@ -125,8 +125,8 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from orchestrator.gpus import GPUS
-    from orchestrator.spec import load_spec
+    from orchestrator.contract.gpus import GPUS
+    from orchestrator.plan.spec import load_spec
     from trainer.checkpoint import CheckpointManager
     from trainer.data import DataLoader, build_source
     from trainer.metrics import peak_flops
@@ -250,7 +250,7 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
             "tokens_per_s": round(tokens_per_s, 1),
             "mfu": None if mfu is None else round(mfu, 4),
             "peak_flops_per_rank": peak,
-            "peak_note": "nominal CPU figure (orchestrator.gpus 'cpu')" if device.type == "cpu" else "data-sheet bf16",
+            "peak_note": "nominal CPU figure (orchestrator.contract.gpus 'cpu')" if device.type == "cpu" else "data-sheet bf16",
             "loss": last_loss,
             "verdict": verdict(mfu, shares),
             "trace_uris": [runuri.join(uri, PROFILE_DIR, f"trace-rank{r}.json") for r in range(world)],

@@ -33,8 +33,8 @@ import time
 import uuid
 from typing import Any
 
-from orchestrator import runuri
-from orchestrator.runuri import EXIT_BAD_CONFIG, EXIT_DONE, EXIT_PREEMPTED
+from orchestrator.contract import runuri
+from orchestrator.contract.runuri import EXIT_BAD_CONFIG, EXIT_DONE, EXIT_PREEMPTED
 from trainer.errors import ConfigError
 
 log = logging.getLogger("trainer")
@@ -53,7 +53,7 @@ stand for a slow checkpoint load in heartbeat tests. Never set it in a real run.
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer", allow_abbrev=False,
                                 description="The dtrun trainer (run it under torchrun).")
-    p.add_argument("--job", required=True, help="job spec YAML (orchestrator.spec)")
+    p.add_argument("--job", required=True, help="job spec YAML (orchestrator.plan.spec)")
     p.add_argument("--run-uri", dest="run_uri", default=None, help="override the spec's run URI")
     return p.parse_args(argv)
 
@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
 class Run:
     def __init__(self, args: argparse.Namespace):
-        from orchestrator.errors import SpecError
-        from orchestrator.spec import load_spec
+        from orchestrator.contract.errors import SpecError
+        from orchestrator.plan.spec import load_spec
 
         try:
             self.spec = load_spec(args.job)

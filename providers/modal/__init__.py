@@ -132,7 +132,7 @@ class ModalProvider(Provider):
     def offers(self, req: Requirements) -> list[Offer]:
         if self.refuse(req) is not None:
             return []
-        from orchestrator.pricing import catalog_offers
+        from providers.catalog import catalog_offers
 
         return [o for o in catalog_offers("modal", req) if o.provider == "modal" and not o.spot
                 and (req.max_price_per_gpu_hour is None or o.price_per_gpu_hour <= req.max_price_per_gpu_hour)]

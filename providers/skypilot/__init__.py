@@ -254,7 +254,7 @@ class SkyPilotProvider(Provider):
     def offers(self, req: Requirements) -> list[Offer]:
         if self.refuse(req) is not None:
             return []
-        from orchestrator.pricing import catalog_offers
+        from providers.catalog import catalog_offers
 
         spot_ok = self.info.capabilities.spot.supported
         return [o for o in catalog_offers(self.cloud, req)

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from orchestrator import runuri
+from orchestrator.contract import runuri
 
 
 def main() -> int:

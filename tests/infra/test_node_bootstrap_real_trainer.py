@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import runuri
+from orchestrator.contract import runuri
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOT = ROOT / "infra" / "node_bootstrap.py"

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import runuri
-from orchestrator.clock import VirtualClock
-from orchestrator.controller import Controller
-from orchestrator.simulate import Model, Simulation
-from orchestrator.spec import parse_spec
-from orchestrator.state import TERMINAL_STATES, StateStore
-from orchestrator.money import sweep_orphans
+from orchestrator.contract import runuri
+from orchestrator.run.clock import VirtualClock
+from orchestrator.run.controller import Controller
+from orchestrator.run.simulate import Model, Simulation
+from orchestrator.plan.spec import parse_spec
+from orchestrator.run.state import TERMINAL_STATES, StateStore
+from orchestrator.run.sweep import sweep_orphans
 from providers import registry
 from providers.fake import FakeProvider
 

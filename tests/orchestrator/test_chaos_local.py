@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import runuri
+from orchestrator.contract import runuri
 
 REPO = Path(__file__).resolve().parents[2]
 DTRUN = [sys.executable, "-m", "orchestrator.cli"]

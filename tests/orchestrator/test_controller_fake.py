@@ -11,11 +11,11 @@ import json
 
 import pytest
 
-from orchestrator import runuri
-from orchestrator.clock import VirtualClock
-from orchestrator.controller import Controller, ControllerBusy
-from orchestrator.spec import parse_spec
-from orchestrator.state import StateStore
+from orchestrator.contract import runuri
+from orchestrator.run.clock import VirtualClock
+from orchestrator.run.controller import Controller, ControllerBusy
+from orchestrator.plan.spec import parse_spec
+from orchestrator.run.state import StateStore
 from providers.fake import FakeOfferTemplate, FakeProvider
 
 OFFERS = [

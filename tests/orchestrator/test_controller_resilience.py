@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import runuri
-from orchestrator.clock import VirtualClock
-from orchestrator.controller import MAX_TICK_FAILURES, Controller, ControllerGaveUp
-from orchestrator.spec import parse_spec
-from orchestrator.state import StateStore
+from orchestrator.contract import runuri
+from orchestrator.run.clock import VirtualClock
+from orchestrator.run.controller import MAX_TICK_FAILURES, Controller, ControllerGaveUp
+from orchestrator.plan.spec import parse_spec
+from orchestrator.run.state import StateStore
 from providers.fake import FakeOfferTemplate, FakeProvider
 
 OFFERS = [FakeOfferTemplate("fake-east", "H100", True, 1.0), FakeOfferTemplate("fake-west", "H100", True, 1.5)]
@@ -186,8 +186,9 @@ def test_poll_always_raising_stops_the_controller_with_the_reason_and_leaves_the
 
 
 def test_detached_controller_reports_giving_up_and_exits_1(tmp_path, dtrun_home, monkeypatch, capsys):
-    from orchestrator import controller, controller_main
-    from orchestrator.spec import spec_to_yaml
+    from orchestrator.run import controller
+    from orchestrator.cli import detached as controller_main
+    from orchestrator.plan.spec import spec_to_yaml
 
     def gave_up(self, should_pause=None, on_tick=None):
         raise ControllerGaveUp("controller exiting after 20 consecutive failed ticks (last: RuntimeError: x)")

@@ -16,12 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "providers"))
 
 from provider_fakes import FakeModalAPI, FakeSkyAPI  # noqa: E402
 
-from orchestrator.clock import VirtualClock  # noqa: E402
-from orchestrator.controller import Controller  # noqa: E402
-from orchestrator.errors import EXIT_PROVIDER, DtrunError, ProviderRefused  # noqa: E402
-from orchestrator.estimate import make_plan  # noqa: E402
-from orchestrator.spec import parse_spec  # noqa: E402
-from orchestrator.state import StateStore  # noqa: E402
+from orchestrator.run.clock import VirtualClock  # noqa: E402
+from orchestrator.run.controller import Controller  # noqa: E402
+from orchestrator.contract.errors import EXIT_PROVIDER, DtrunError, ProviderRefused  # noqa: E402
+from orchestrator.plan.estimate import make_plan  # noqa: E402
+from orchestrator.plan.spec import parse_spec  # noqa: E402
+from orchestrator.run.state import StateStore  # noqa: E402
 from providers.base import Offer  # noqa: E402
 from providers.modal import ModalProvider  # noqa: E402
 from providers.skypilot import SkyPilotProvider  # noqa: E402
@@ -129,7 +129,7 @@ def test_remote_launch_gets_the_aws_keys_as_secrets_only(world, offer, capsys):
             break
     out = capsys.readouterr()
     assert SECRET not in out.out + out.err
-    from orchestrator.runcmd import job_status
+    from orchestrator.cli.jobs import job_status
 
     assert SECRET not in json.dumps(job_status(w["store"], w["store"].get_job("sj")))
     _nowhere(w, SECRET, KEY_ID, TOKEN)
@@ -168,7 +168,7 @@ def test_s3_training_data_needs_credentials_too(world, monkeypatch, tmp_path):
     w = world
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(k)
-    from orchestrator.nodecreds import node_storage
+    from orchestrator.run.nodecreds import node_storage
 
     spec = _spec(f"file://{tmp_path}/run", ["runpod"], data="s3://data-bucket/shards/")
     with pytest.raises(ProviderRefused, match="trainer.data"):
@@ -178,7 +178,7 @@ def test_s3_training_data_needs_credentials_too(world, monkeypatch, tmp_path):
 
 
 def test_dtrun_up_without_aws_credentials_is_exit_5(world, monkeypatch, tmp_path):
-    from orchestrator.runcmd import cmd_up
+    from orchestrator.cli.jobs import cmd_up
 
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(k)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.cli import main
+from orchestrator.cli.app import main
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT2 = ROOT / "jobs" / "gpt2-124m.yaml"
@@ -148,7 +148,7 @@ def test_prices_unknown_gpu_exit_2(capsys):
     assert "H900" in capsys.readouterr().err
 
 
-PROBE = ("import sys; from orchestrator.cli import main; rc = main({argv!r}); "
+PROBE = ("import sys; from orchestrator.cli.app import main; rc = main({argv!r}); "
          "bad = [m for m in ('torch', 'sky', 'boto3', 'botocore', 'modal') if m in sys.modules]; "
          "print('HEAVY', bad, file=sys.stderr); sys.exit(rc)")
 

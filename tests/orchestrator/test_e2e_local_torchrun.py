@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import runuri
-from orchestrator.controller import Controller
-from orchestrator.spec import parse_spec
-from orchestrator.state import StateStore
+from orchestrator.contract import runuri
+from orchestrator.run.controller import Controller
+from orchestrator.plan.spec import parse_spec
+from orchestrator.run.state import StateStore
 
 REPO = Path(__file__).resolve().parents[2]
 

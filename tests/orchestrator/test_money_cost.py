@@ -6,8 +6,8 @@ import json
 
 from typer.testing import CliRunner
 
-from orchestrator.cli import app, main
-from orchestrator.state import StateStore
+from orchestrator.cli.app import app, main
+from orchestrator.run.state import StateStore
 from providers.base import Offer
 
 SPOT = Offer("fake", "fake-east", "H100", 8, True, 1.29)

@@ -10,10 +10,10 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from orchestrator.clock import VirtualClock
-from orchestrator.cli import app
-from orchestrator.money import find_orphans, sweep_orphans
-from orchestrator.state import StateStore
+from orchestrator.run.clock import VirtualClock
+from orchestrator.cli.app import app
+from orchestrator.run.sweep import find_orphans, sweep_orphans
+from orchestrator.run.state import StateStore
 from providers import registry
 from providers.base import LaunchRequest, Offer
 from providers.fake import FakeProvider, shared_cloud
@@ -144,7 +144,7 @@ def test_unconfirmed_terminate_is_reported_not_hidden(world):
     cloud.configure(terminate_seconds=10_000)
     _launch(cloud, "ghost", 1)
     rep = find_orphans(store, ["fake"], providers={"fake": cloud}, clock=clock)
-    from orchestrator.money import terminate_orphans
+    from orchestrator.run.sweep import terminate_orphans
 
     terminate_orphans(store, rep, providers={"fake": cloud}, clock=clock, timeout=120)
     assert rep.orphans[0].outcome == "not_confirmed"

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from orchestrator.planner import (
+from orchestrator.plan.planner import (
     DoesNotFit, activation_bytes, param_shapes, plan, resolve_parallel, state_bytes_per_rank,
 )
-from orchestrator.presets import PRESETS, ModelSpec
-from orchestrator.spec import JobSpec, Parallel, parse_spec
+from orchestrator.plan.presets import PRESETS, ModelSpec
+from orchestrator.plan.spec import JobSpec, Parallel, parse_spec
 
 
 def job(model="tiny", gpu="H100", gpn=8, nodes=1, seq=1024, bs=64, ac="none", parallel="auto", **trainer):
@@ -152,14 +152,14 @@ def test_resolve_parallel_explicit_unchanged_and_no_fit_raises():
 
 
 def test_planner_and_traps_import_no_torch():
-    code = ("import sys, orchestrator.planner, orchestrator.traps; "
+    code = ("import sys, orchestrator.plan.planner, orchestrator.plan.traps; "
             "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
 def test_no_valid_layout_is_a_spec_error():
-    from orchestrator.errors import EXIT_INVALID, SpecError
+    from orchestrator.contract.errors import EXIT_INVALID, SpecError
 
     spec = job("tiny", "H100", 3, 1, 128, 8)  # batch 8 does not split over 3 GPUs; auto cannot help
     with pytest.raises(SpecError, match="batch_size 8 not divisible") as ei:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.clock import VirtualClock
-from orchestrator.controller import Controller
-from orchestrator.state import StateStore
+from orchestrator.run.clock import VirtualClock
+from orchestrator.run.controller import Controller
+from orchestrator.run.state import StateStore
 from providers.fake import FakeProvider
 from test_controller_fake import OFFERS, SimTrainer, make_spec
 
@@ -78,7 +78,7 @@ def test_store_outage_is_an_oserror_the_controller_catches(monkeypatch):
     # botocore's EndpointConnectionError is not one, so an S3 blip crashed the controller loop.
     import socket
 
-    from orchestrator import runuri
+    from orchestrator.contract import runuri
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -98,7 +98,7 @@ def test_store_outage_is_an_oserror_the_controller_catches(monkeypatch):
 def test_bad_command_line_is_a_usage_error_exit_2(dtrun_home, argv, says):
     # typer >= 0.20 vendors click (typer._click): its UsageError is not click.ClickException,
     # so wrong arguments came out as "internal error ..." with exit 1.
-    from orchestrator.cli import main
+    from orchestrator.cli.app import main
 
     import contextlib
     import io
@@ -117,8 +117,8 @@ def test_remote_nodes_get_a_bootstrap_command_that_exists_on_the_node(tmp_path):
     import sys
     from pathlib import Path
 
-    from orchestrator.controller import REPO_ROOT
-    from orchestrator.spec import parse_spec
+    from orchestrator.run.controller import REPO_ROOT
+    from orchestrator.plan.spec import parse_spec
     from providers.base import Offer
     from providers.skypilot import build_task_config
 
@@ -141,8 +141,8 @@ def test_remote_nodes_get_a_bootstrap_command_that_exists_on_the_node(tmp_path):
 def test_up_without_provider_credentials_is_exit_5_before_anything_starts(dtrun_home, tmp_path, monkeypatch):
     # Documented: 5 = a provider refused (missing credentials), nothing rented. It used to start
     # the controller (whose orphan sweep starts SkyPilot's API server) and end FAILED, exit 1.
-    from orchestrator.errors import EXIT_PROVIDER, DtrunError
-    from orchestrator.runcmd import cmd_up
+    from orchestrator.contract.errors import EXIT_PROVIDER, DtrunError
+    from orchestrator.cli.jobs import cmd_up
 
     monkeypatch.setenv("HOME", str(tmp_path))
     for k in ("RUNPOD_API_KEY", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "MODAL_CONFIG_PATH"):
@@ -162,8 +162,8 @@ def test_up_refuses_a_local_disk_run_uri_for_remote_nodes(dtrun_home, tmp_path, 
     # The run URI is the only channel between controller and node: a rented node cannot read
     # job.yaml from (or write checkpoints to) this machine's disk, so the attempt could only fail
     # after provisioning was paid for. Refused before anything starts, naming the field.
-    from orchestrator.errors import EXIT_INVALID, DtrunError
-    from orchestrator.runcmd import cmd_up
+    from orchestrator.contract.errors import EXIT_INVALID, DtrunError
+    from orchestrator.cli.jobs import cmd_up
 
     monkeypatch.setenv("RUNPOD_API_KEY", "rk-test")
     job = tmp_path / "job.yaml"

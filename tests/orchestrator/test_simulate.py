@@ -8,10 +8,10 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from orchestrator.cli import app
-from orchestrator.estimate import make_plan
-from orchestrator.simulate import Model, SimNode, simulate
-from orchestrator.spec import parse_spec
+from orchestrator.cli.app import app
+from orchestrator.plan.estimate import make_plan
+from orchestrator.run.simulate import Model, SimNode, simulate
+from orchestrator.plan.spec import parse_spec
 
 
 def _spec(**over) -> dict:
@@ -104,7 +104,7 @@ def test_auto_interval_is_young_daly():
 def test_cli_json_has_the_contract_keys():
     import yaml
 
-    from orchestrator.spec import spec_to_yaml
+    from orchestrator.plan.spec import spec_to_yaml
 
     spec = parse_spec(_spec())
     import tempfile, os
@@ -128,8 +128,8 @@ def test_cli_json_has_the_contract_keys():
 
 
 def test_bad_runs_is_a_usage_error(tmp_path):
-    from orchestrator.cli import main
-    from orchestrator.spec import spec_to_yaml
+    from orchestrator.cli.app import main
+    from orchestrator.plan.spec import spec_to_yaml
 
     p = tmp_path / "j.yaml"
     p.write_text(spec_to_yaml(parse_spec(_spec())))
@@ -137,7 +137,7 @@ def test_bad_runs_is_a_usage_error(tmp_path):
 
 
 def test_text_report_for_a_free_local_job(tmp_path):
-    from orchestrator.cli import main
+    from orchestrator.cli.app import main
 
     p = tmp_path / "q.yaml"
     p.write_text("name: quick\nresources: {providers: [local], gpu: cpu, gpus_per_node: 2}\n"
@@ -165,7 +165,7 @@ def test_prefer_with_a_rate_simulates_the_spot_offer(capsys):
     import json
     from pathlib import Path
 
-    from orchestrator.simulate import cmd_simulate
+    from orchestrator.cli.simulate import cmd_simulate
 
     job = Path(__file__).resolve().parents[2] / "jobs" / "gpt2-124m.yaml"
     assert cmd_simulate(job, 2.0, 20, 0, True) == 0

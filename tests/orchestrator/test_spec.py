@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.errors import SpecError
-from orchestrator.spec import JobSpec, load_spec
+from orchestrator.contract.errors import SpecError
+from orchestrator.plan.spec import JobSpec, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
@@ -131,7 +131,7 @@ def test_cli_missing_file_exit_2(tmp_path):
 
 
 def test_schema_has_field_docs():
-    from orchestrator.spec import json_schema
+    from orchestrator.plan.spec import json_schema
 
     schema = json_schema()
     res = schema["$defs"]["Resources"]["properties"]

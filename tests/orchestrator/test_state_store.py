@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from orchestrator.state import StateStore
+from orchestrator.run.state import StateStore
 
 
 def test_file_is_private_and_wal(dtrun_home):

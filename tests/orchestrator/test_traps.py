@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
-from orchestrator.spec import parse_spec
-from orchestrator.traps import Trap, find_traps
+from orchestrator.plan.spec import parse_spec
+from orchestrator.plan.traps import Trap, find_traps
 from providers.base import Offer
 
 # Clean jobs: a careful engineer's specs. No trap may fire on them.

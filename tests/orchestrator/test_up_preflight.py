@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from orchestrator.cli import main
+from orchestrator.cli.app import main
 
 
 def _job(tmp_path, uri: str) -> str:
@@ -26,7 +26,7 @@ def test_up_refuses_when_the_bucket_does_not_exist(tmp_path, s3_server, dtrun_ho
     assert rc == 6, err
     assert "preflight" in err and "no-such-bucket-dtrun" in err
     # Nothing was launched: no attempt recorded, no local node registered.
-    from orchestrator.state import StateStore
+    from orchestrator.run.state import StateStore
 
     store = StateStore()
     job = store.get_job("preflight-job")

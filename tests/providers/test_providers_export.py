@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import yaml
 
-from orchestrator.cli import main
+from orchestrator.cli.app import main
 
 
 def test_export_gpt2_is_valid_skypilot_yaml_without_secrets(capsys, monkeypatch):

@@ -120,7 +120,7 @@ def test_fake_cloud_drops_secrets(tmp_path):
 
 
 def test_export_lists_secret_keys_without_values_and_sky_launch_fills_them(tmp_path, capsys, monkeypatch):
-    from orchestrator.cli import main
+    from orchestrator.cli.app import main
 
     for k, v in SECRETS.items():
         monkeypatch.setenv(k, v)

@@ -95,7 +95,7 @@ def wait_for(cond, timeout: float = 120, every: float = 0.1, what: str = "condit
 
 
 def losses(run_uri: str) -> list[float]:
-    from orchestrator import runuri
+    from orchestrator.contract import runuri
 
     text = runuri.read_text(runuri.join(run_uri, "metrics.jsonl")) or ""
     return [json.loads(line)["loss"] for line in text.splitlines() if line.strip()]

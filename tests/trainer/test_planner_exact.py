@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import runuri
-from orchestrator.planner import state_bytes_per_rank
-from orchestrator.presets import ModelSpec
-from orchestrator.spec import Parallel
+from orchestrator.contract import runuri
+from orchestrator.plan.planner import state_bytes_per_rank
+from orchestrator.plan.presets import ModelSpec
+from orchestrator.plan.spec import Parallel
 
 # Uneven on purpose: 250 vocab rows and 90 learned positions do not split evenly over 4 ranks
 # (FSDP2 chunks 63/63/63/61 and 23/23/23/21), biases and LayerNorm biases included.

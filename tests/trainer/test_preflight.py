@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from orchestrator.errors import EXIT_NOT_FOUND, EXIT_PROVIDER
-from orchestrator.preflight import PreflightError, maybe_preflight, preflight_enabled, run_preflight, storage_probe
-from orchestrator.spec import parse_spec
+from orchestrator.contract.errors import EXIT_NOT_FOUND, EXIT_PROVIDER
+from orchestrator.run.preflight import PreflightError, maybe_preflight, preflight_enabled, run_preflight, storage_probe
+from orchestrator.plan.spec import parse_spec
 from trainer.preflight import classify
 
 
@@ -70,7 +70,7 @@ def test_preflight_default_on_for_spot(tmp_path):
 
 @pytest.mark.slow
 def test_round_trip_against_a_real_bucket(s3_bucket):
-    from orchestrator import runuri
+    from orchestrator.contract import runuri
 
     uri = f"{s3_bucket}/runs/pf"
     res = run_preflight(spec(uri, spot=True), nproc=2, timeout_s=240)
@@ -87,7 +87,7 @@ def test_a_restore_that_changes_values_is_reported(tmp_path, monkeypatch, bad_ca
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from orchestrator import runuri
+    from orchestrator.contract import runuri
     from trainer import preflight
 
     real_load = dcp.load

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from orchestrator.cli import main
+from orchestrator.cli.app import main
 from trainer.profiling import VERDICT_LOW, breakdown_from_events, intersect, merge, verdict
 
 
@@ -54,7 +54,7 @@ def _job(tmp_path, uri, gpu="cpu", providers=("local",)):
 
 @pytest.mark.slow
 def test_profile_writes_trace_and_breakdown_to_run_uri(tmp_path, s3_bucket, capsys):
-    from orchestrator import runuri
+    from orchestrator.contract import runuri
 
     uri = f"{s3_bucket}/runs/prof"
     rc = main(["profile", str(_job(tmp_path, uri)), "--steps", "4", "--json"])
@@ -89,7 +89,7 @@ def test_profile_table_output(tmp_path, capsys):
 
 
 def test_profile_gpu_job_without_gpus_is_a_clear_error(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("orchestrator.profile._cuda_devices", lambda: 0)  # as on this CPU machine
+    monkeypatch.setattr("orchestrator.cli.profile._cuda_devices", lambda: 0)  # as on this CPU machine
     rc = main(["profile", str(_job(tmp_path, "s3://b/r", gpu="H100", providers=("fake",)))])
     err = capsys.readouterr().err
     assert rc == 2 and "CUDA GPU" in err and "Traceback" not in err

@@ -9,7 +9,7 @@ import signal
 import pytest
 from conftest import losses, wait_for
 
-from orchestrator import runuri
+from orchestrator.contract import runuri
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import time
 
 from conftest import wait_for
 
-from orchestrator import runuri
+from orchestrator.contract import runuri
 from trainer.metrics import PHASES, Metrics
 
 CONTRACT = {"step", "steps", "loss", "tokens_per_s", "mfu", "last_committed_step", "time", "attempt",

@@ -8,8 +8,8 @@ import json
 import pytest
 from conftest import DENSE, MOE, Trainer, losses
 
-from orchestrator import runuri
-from orchestrator.presets import ModelSpec
+from orchestrator.contract import runuri
+from orchestrator.plan.presets import ModelSpec
 
 pytestmark = pytest.mark.slow
 

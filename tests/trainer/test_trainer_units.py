@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.presets import PRESETS, ModelSpec
+from orchestrator.plan.presets import PRESETS, ModelSpec
 from trainer.data import DataLoader, ShardSource, SyntheticSource, build_source
 from trainer.errors import ConfigError
 from trainer.model import build_model, loss_fn
@@ -250,7 +250,7 @@ def test_fp8_without_torchao_is_a_clear_config_error(monkeypatch):
 def test_corrupt_newest_committed_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
     import logging
 
-    from orchestrator import runuri
+    from orchestrator.contract import runuri
     from trainer.checkpoint import CheckpointManager
 
     model = build_model(PRESETS["tiny"], seed=0)
@@ -316,7 +316,7 @@ _SETTLE_SCRIPT = '''
 import sys
 import torch
 import torch.distributed as dist
-from orchestrator import runuri
+from orchestrator.contract import runuri
 from trainer.checkpoint import CheckpointManager
 
 dist.init_process_group("gloo")
@@ -426,7 +426,7 @@ def test_metrics_writes_do_not_stall_the_loop_and_are_flushed_on_close(tmp_path,
     import json
     import time
 
-    from orchestrator import runuri
+    from orchestrator.contract import runuri
     from trainer.metrics import Metrics
 
     real_append, real_write = runuri.append_line, runuri.write_json

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import EXIT_JOB_FAILED, EXIT_OK, UsageError
+from orchestrator.contract.errors import EXIT_JOB_FAILED, EXIT_OK, UsageError
 
 TIMEOUT_S = 1800
 
@@ -57,8 +57,8 @@ def _render(res: dict[str, Any]) -> str:
 def cmd_profile(job: Path, steps: int, json_out: bool) -> int:
     import typer
 
-    from orchestrator.planner import resolve_parallel
-    from orchestrator.spec import load_spec, spec_to_yaml
+    from orchestrator.plan.planner import resolve_parallel
+    from orchestrator.plan.spec import load_spec, spec_to_yaml
 
     if steps < 1:
         raise UsageError("--steps must be at least 1")

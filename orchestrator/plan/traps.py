@@ -30,9 +30,9 @@ from typing import Callable
 
 from pydantic import ValidationError
 
-from orchestrator.errors import DtrunError
-from orchestrator.gpus import GPUS
-from orchestrator.spec import JobSpec
+from orchestrator.contract.errors import DtrunError
+from orchestrator.contract.gpus import GPUS
+from orchestrator.plan.spec import JobSpec
 from providers.base import Offer
 
 BF16_GPUS = frozenset({"A100", "A100-80GB", "A10", "L4", "L40S", "RTX4090", "H100", "H200", "GH200", "B200"})
@@ -76,7 +76,7 @@ def _fp16(c: _Ctx) -> Trap | None:
 
 
 def _spot_interval(c: _Ctx) -> list[Trap]:
-    from orchestrator.estimate import preemption_rate, step_seconds
+    from orchestrator.plan.estimate import preemption_rate, step_seconds
 
     s = c.spec
     out: list[Trap] = []
@@ -147,7 +147,7 @@ def _tp_nodes(c: _Ctx) -> Trap | None:
 
 
 def _heavier_rung(c: _Ctx) -> Trap | None:
-    from orchestrator.planner import strategy_name
+    from orchestrator.plan.planner import strategy_name
 
     s, p = c.spec, c.plan
     par = s.trainer.parallel
@@ -169,7 +169,7 @@ def _heavier_rung(c: _Ctx) -> Trap | None:
 
 def _smallest_gpu(spec: JobSpec) -> tuple[str, object] | None:
     """The smallest (memory, then peak) GPU that runs the job alone, with the same micro-batch."""
-    from orchestrator.planner import plan, planned_micro_batch
+    from orchestrator.plan.planner import plan, planned_micro_batch
 
     mb = spec.trainer.micro_batch_size or planned_micro_batch(spec, spec.parallel_degrees)
     data = spec.model_dump(mode="json", exclude_none=True)
@@ -221,7 +221,7 @@ def _fp32_scale(c: _Ctx) -> Trap | None:
 
 
 def _fit(c: _Ctx) -> Trap | None:
-    from orchestrator.planner import evaluate_spec_parallel
+    from orchestrator.plan.planner import evaluate_spec_parallel
 
     p = c.plan
     if p is None or c.gpu == "cpu":
@@ -257,11 +257,11 @@ def find_traps(spec: JobSpec, offer: Offer | None = None, plan: object | None = 
     else:
         gpu, gpn, nodes = r.gpu, r.gpus_per_node, r.nodes
     if gpu not in GPUS:
-        from orchestrator.gpus import canonical_gpu
+        from orchestrator.contract.gpus import canonical_gpu
 
         gpu = canonical_gpu(gpu) or r.gpu
     if plan is None:
-        from orchestrator.planner import plan as make_plan
+        from orchestrator.plan.planner import plan as make_plan
 
         try:
             plan = make_plan(spec, gpu=gpu, gpus_per_node=gpn, nodes=nodes)

@@ -7,7 +7,7 @@ States::
                    │   ▼           ▼          │
                    └─ RECOVERING ◄─┘──────────┘  (preempted / lost / crashed → new attempt)
 
-Every tick: book spend (``orchestrator.guard``), renew ``lease.json`` in the run URI, read a
+Every tick: book spend (``orchestrator.run.guard``), renew ``lease.json`` in the run URI, read a
 pending ``dtrun down`` request from the state store, poll the provider, read ``progress.json`` and
 ``DONE``, then decide. Every transition is committed to the state store *before* the controller
 acts on it (launch, terminate), so a controller killed at any point can be restarted
@@ -29,18 +29,18 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from orchestrator import runuri
-from orchestrator.clock import Clock, RealClock
-from orchestrator.errors import DtrunError, ProviderRefused
-from orchestrator.guard import Guard, attempt_price_per_hour
-from orchestrator.nodecreds import node_storage
-from orchestrator.recovery import FailoverStrategy
-from orchestrator.spec import JobSpec, spec_to_yaml
-from orchestrator.state import ACTIVE_STATES, HOST, TERMINAL_STATES, StateStore, dtrun_home
+from orchestrator.contract import runuri
+from orchestrator.run.clock import Clock, RealClock
+from orchestrator.contract.errors import DtrunError, ProviderRefused
+from orchestrator.run.guard import Guard, attempt_price_per_hour
+from orchestrator.run.nodecreds import node_storage
+from orchestrator.run.recovery import FailoverStrategy
+from orchestrator.plan.spec import JobSpec, spec_to_yaml
+from orchestrator.run.state import ACTIVE_STATES, HOST, TERMINAL_STATES, StateStore, dtrun_home
 from providers import errors as perr
 from providers.base import Handle, LaunchRequest, NodeState, Offer, Provider, Requirements
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BOOTSTRAP = REPO_ROOT / "infra" / "node_bootstrap.py"
 # Providers whose nodes run on this machine (this interpreter, this checkout). Every other
 # provider runs the bootstrap on a remote node, inside the project copy it received as the
@@ -206,7 +206,7 @@ class Controller:
         """What the nodes get: ``trainer.parallel: auto`` → the memory planner's degrees;
         ``checkpoint.every_steps: auto`` → the plan's interval (Young/Daly)."""
         if spec.trainer.parallel == "auto":
-            from orchestrator.planner import resolve_parallel
+            from orchestrator.plan.planner import resolve_parallel
 
             spec = resolve_parallel(spec)
         every = getattr(self.plan, "checkpoint_every_steps", 0)
@@ -217,7 +217,7 @@ class Controller:
     def _ensure_plan(self) -> None:
         if self.plan is not None:
             return
-        from orchestrator.estimate import make_plan, requirements
+        from orchestrator.plan.estimate import make_plan, requirements
 
         req: Requirements = requirements(self.spec)
         offers: list[Offer] = []
@@ -245,7 +245,7 @@ class Controller:
     def _sweep_orphans(self) -> None:
         """The money helper's orphan sweep (instances with dtrun's prefix that no live job owns)."""
         try:
-            from orchestrator.money import sweep_orphans
+            from orchestrator.run.sweep import sweep_orphans
         except ImportError:
             return
         try:
@@ -531,7 +531,7 @@ class Controller:
             env["DTRUN_DEADLINE"] = f"{deadline:.3f}"
         if s.teardown.controller_lost_minutes is not None:
             env["DTRUN_CONTROLLER_LOST_MINUTES"] = f"{s.teardown.controller_lost_minutes:g}"
-        # S3 access (orchestrator.nodecreds): nodes on this machine inherit the process
+        # S3 access (orchestrator.run.nodecreds): nodes on this machine inherit the process
         # environment; a remote node gets the endpoint/region here and the AWS keys in
         # ``secrets`` (never logged, never stored) — nothing for a file:// run URI.
         env.update(node_env or {})

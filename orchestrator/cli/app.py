@@ -2,7 +2,7 @@
 
 Thin wrappers only: each command imports its implementation when it runs, so ``dtrun --help``
 and the dry run never import torch, sky or boto3. Errors become one line and an exit code here
-(see ``orchestrator.errors``), never a traceback.
+(see ``orchestrator.contract.errors``), never a traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from orchestrator.errors import EXIT_INTERRUPTED, DtrunError
+from orchestrator.contract.errors import EXIT_INTERRUPTED, DtrunError
 
 app = typer.Typer(
     name="dtrun",
@@ -34,7 +34,7 @@ def schema() -> None:
     """Print the job spec's JSON schema (for editor completion)."""
     import json
 
-    from orchestrator.spec import json_schema
+    from orchestrator.plan.spec import json_schema
 
     typer.echo(json.dumps(json_schema(), indent=2))
 
@@ -46,7 +46,7 @@ def prices(
     spot: Annotated[Optional[bool], typer.Option("--spot/--on-demand", help="Only spot or only on-demand.")] = None,
 ) -> None:
     """Print the price table: provider, region, GPU, spot, $/GPU-hour and where each price came from."""
-    from orchestrator.dryrun import cmd_prices
+    from orchestrator.cli.up import cmd_prices
 
     cmd_prices(gpu, json_out, spot)
 
@@ -61,11 +61,11 @@ def up(
     strict: Annotated[bool, typer.Option("--strict", help="Known traps are errors (exit 2), not warnings.")] = False,
 ) -> None:
     """Estimate, confirm, then run the job to the end (or only estimate, with --dry-run)."""
-    from orchestrator.dryrun import cmd_dry_run
+    from orchestrator.cli.up import cmd_dry_run
 
     if dry_run:
         raise typer.Exit(cmd_dry_run(job, json_out, strict))
-    from orchestrator.runcmd import cmd_up
+    from orchestrator.cli.jobs import cmd_up
 
     raise typer.Exit(cmd_up(job, yes=yes, detach=detach, json_out=json_out, strict=strict))
 
@@ -76,7 +76,7 @@ def status(
     json_out: JsonOpt = False,
 ) -> None:
     """Show a job's state, step, spend, attempts and nodes."""
-    from orchestrator.runcmd import cmd_status
+    from orchestrator.cli.jobs import cmd_status
 
     raise typer.Exit(cmd_status(job, json_out))
 
@@ -84,7 +84,7 @@ def status(
 @app.command("ls")
 def ls_(json_out: JsonOpt = False) -> None:
     """List jobs."""
-    from orchestrator.runcmd import cmd_ls
+    from orchestrator.cli.jobs import cmd_ls
 
     raise typer.Exit(cmd_ls(json_out))
 
@@ -95,7 +95,7 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
 ) -> None:
     """Print the job's controller events and the trainer's log."""
-    from orchestrator.runcmd import cmd_logs
+    from orchestrator.cli.jobs import cmd_logs
 
     raise typer.Exit(cmd_logs(job, follow))
 
@@ -106,7 +106,7 @@ def down(
     now: Annotated[bool, typer.Option("--now", help="Skip the final checkpoint; terminate at once.")] = False,
 ) -> None:
     """Stop a job: STOP → final checkpoint → terminate every node (confirmed)."""
-    from orchestrator.runcmd import cmd_down
+    from orchestrator.cli.jobs import cmd_down
 
     raise typer.Exit(cmd_down(job, now))
 
@@ -117,7 +117,7 @@ def export(
     skypilot: Annotated[bool, typer.Option("--skypilot", help="Print the SkyPilot task YAML.")] = False,
 ) -> None:
     """Print the job as another tool's config (no secrets included)."""
-    from orchestrator.export import cmd_export
+    from orchestrator.cli.export import cmd_export
 
     raise typer.Exit(cmd_export(job, skypilot=skypilot))
 
@@ -128,7 +128,7 @@ def gc(
     json_out: JsonOpt = False,
 ) -> None:
     """Find provider instances with dtrun's name prefix that no live job owns, and terminate them."""
-    from orchestrator.money import cmd_gc
+    from orchestrator.cli.money import cmd_gc
 
     raise typer.Exit(cmd_gc(yes=yes, json_out=json_out))
 
@@ -139,7 +139,7 @@ def cost(
     json_out: JsonOpt = False,
 ) -> None:
     """Spend per job and per attempt, beside the estimate."""
-    from orchestrator.money import cmd_cost
+    from orchestrator.cli.money import cmd_cost
 
     raise typer.Exit(cmd_cost(job, json_out))
 
@@ -154,7 +154,7 @@ def simulate(
 ) -> None:
     """Run the real controller against the fake cloud on a virtual clock, N times: the distribution
     of wall time, cost, attempts, work lost and goodput, before renting anything."""
-    from orchestrator.money import cmd_simulate
+    from orchestrator.cli.simulate import cmd_simulate
 
     raise typer.Exit(cmd_simulate(job, preemptions_per_hour, runs, seed, json_out))
 
@@ -166,7 +166,7 @@ def profile(
     json_out: JsonOpt = False,
 ) -> None:
     """A short run under torch.profiler: where the time goes, tokens/s, MFU and a verdict."""
-    from orchestrator.profile import cmd_profile
+    from orchestrator.cli.profile import cmd_profile
 
     raise typer.Exit(cmd_profile(job, steps, json_out))
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import EXIT_JOB_FAILED, EXIT_NOT_FOUND, EXIT_PROVIDER, DtrunError
-from orchestrator.spec import JobSpec
+from orchestrator.contract.errors import EXIT_JOB_FAILED, EXIT_NOT_FOUND, EXIT_PROVIDER, DtrunError
+from orchestrator.plan.spec import JobSpec
 
 DEFAULT_NPROC = 2
 DEFAULT_TIMEOUT_S = 300.0

@@ -15,9 +15,9 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from orchestrator.errors import SpecError
-from orchestrator.gpus import GPUS, canonical_gpu
-from orchestrator.presets import PRESETS, ModelSpec, resolve_model
+from orchestrator.contract.errors import SpecError
+from orchestrator.contract.gpus import GPUS, canonical_gpu
+from orchestrator.plan.presets import PRESETS, ModelSpec, resolve_model
 
 PROVIDERS = ("runpod", "lambda", "vast", "modal", "local", "fake")
 ProviderName = Literal["runpod", "lambda", "vast", "modal", "local", "fake"]

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from orchestrator.state import StateStore
+from orchestrator.run.state import StateStore
 
 
 def _money(x: float | None) -> str:

@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import (
+from orchestrator.contract.errors import (
     EXIT_INVALID,
     EXIT_NO_OFFER,
     EXIT_OK,
     EXIT_OVER_BUDGET,
 )
-from orchestrator.estimate import Plan, make_plan
-from orchestrator.spec import JobSpec, load_spec
+from orchestrator.plan.estimate import Plan, make_plan
+from orchestrator.plan.spec import JobSpec, load_spec
 
 RENTABLE = ("runpod", "lambda", "vast", "modal")
 
@@ -62,7 +62,8 @@ def plan_report(spec: JobSpec, plan: Plan) -> dict[str, Any]:
 
 def _memory_and_traps(spec: JobSpec, plan: Plan) -> dict[str, Any]:
     """The planner's memory plan and the known traps."""
-    from orchestrator import planner, traps
+    from orchestrator.plan import planner
+    from orchestrator.plan import traps
 
     out: dict[str, Any] = {}
     gpu = plan.chosen.gpu if plan.chosen else spec.resources.gpu
@@ -144,7 +145,7 @@ def check_run_uri_reachable(spec, plan, source: str) -> None:
         return
     remote = sorted({o.provider for o in plan.offers if o.provider not in ON_THIS_MACHINE})
     if remote:
-        from orchestrator.errors import SpecError
+        from orchestrator.contract.errors import SpecError
 
         raise SpecError(f"{source}: checkpoint.uri {spec.checkpoint.uri!r} is on this machine's disk, which "
                         f"nodes rented on {', '.join(remote)} cannot reach; use an s3:// run URI "
@@ -187,15 +188,15 @@ def _json_default(o: Any) -> Any:
 
 
 def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None) -> None:
-    from orchestrator.errors import UsageError
-    from orchestrator.gpus import canonical_gpu
-    from orchestrator.pricing import UNKNOWN_SPOT, all_rows
+    from orchestrator.contract.errors import UsageError
+    from orchestrator.contract.gpus import canonical_gpu
+    from providers.catalog import UNKNOWN_SPOT, all_rows
     from providers import registry
 
     if gpu is not None:
         g = canonical_gpu(gpu)
         if g is None:
-            from orchestrator.gpus import GPUS
+            from orchestrator.contract.gpus import GPUS
 
             raise UsageError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
         gpu = g

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.spec import JobSpec
+from orchestrator.plan.spec import JobSpec
 from providers.base import Offer
 
 

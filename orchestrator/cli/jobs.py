@@ -1,6 +1,6 @@
 """``dtrun up`` (the real run), ``status``, ``ls``, ``logs``, ``down``.
 
-Exit codes are orchestrator.errors': 0 done/succeeded, 1 the job ended badly, 2 bad input or a
+Exit codes are orchestrator.contract.errors': 0 done/succeeded, 1 the job ended badly, 2 bad input or a
 question that cannot be asked (no terminal and no ``--yes``), 3 over budget, 4 no offer,
 6 no such job, 130 interrupted with nothing left running.
 """
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import (
+from orchestrator.contract.errors import (
     EXIT_INTERRUPTED,
     EXIT_INVALID,
     EXIT_JOB_FAILED,
@@ -25,8 +25,8 @@ from orchestrator.errors import (
     ProviderRefused,
     SpecError,
 )
-from orchestrator.dryrun import check_run_uri_reachable as _check_run_uri_reachable
-from orchestrator.state import TERMINAL_STATES, StateStore, dtrun_home
+from orchestrator.cli.up import check_run_uri_reachable as _check_run_uri_reachable
+from orchestrator.run.state import TERMINAL_STATES, StateStore, dtrun_home
 
 
 def _err(msg: str) -> None:
@@ -222,9 +222,9 @@ def cmd_down(job: str, now: bool) -> int:
         print(f"{job}: {what} (controller pid {row['controller_pid']})")
         return _wait_terminal(store, job)
     print(f"{job}: no controller is running; {what} here")
-    from orchestrator.controller import Controller
-    from orchestrator.controller_main import load_stored_spec
-    from orchestrator.live import PlainView
+    from orchestrator.run.controller import Controller
+    from orchestrator.cli.detached import load_stored_spec
+    from orchestrator.cli.live import PlainView
 
     spec, _ = load_stored_spec(store, job)
     view = PlainView(store, job)
@@ -263,14 +263,14 @@ def _wait_terminal(store: StateStore, job: str) -> int:
 # ---- up ------------------------------------------------------------------------------------------
 
 def spawn_detached(store: StateStore, name: str, args: list[str]) -> int:
-    """Start ``python -m orchestrator.controller_main ARGS`` in its own session; its pid once it
+    """Start ``python -m orchestrator.cli.detached ARGS`` in its own session; its pid once it
     has claimed the job (or raise with its log's tail if it died first)."""
     logdir = dtrun_home() / "logs" / name
     logdir.mkdir(parents=True, exist_ok=True)
     log = logdir / "controller.log"
     env = dict(os.environ, DTRUN_CONTROLLER_LOG=str(log))
     with open(log, "ab") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.controller_main", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli.detached", *args],
                                 stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=env, cwd=os.getcwd())
     deadline = time.time() + 30
@@ -281,7 +281,7 @@ def spawn_detached(store: StateStore, name: str, args: list[str]) -> int:
         rc = proc.poll()
         if rc is not None:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-10:])
-            from orchestrator.errors import DtrunError
+            from orchestrator.contract.errors import DtrunError
 
             err = DtrunError(f"the detached controller exited ({rc}) before starting:\n{tail}")
             err.exit_code = rc if rc in (2, 3, 4, 5, 6) else EXIT_JOB_FAILED
@@ -291,9 +291,9 @@ def spawn_detached(store: StateStore, name: str, args: list[str]) -> int:
 
 
 def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = False, strict: bool = False) -> int:
-    from orchestrator.dryrun import plan_report, print_plan, verdict_exit_code
-    from orchestrator.estimate import make_plan
-    from orchestrator.spec import load_spec
+    from orchestrator.cli.up import plan_report, print_plan, verdict_exit_code
+    from orchestrator.plan.estimate import make_plan
+    from orchestrator.plan.spec import load_spec
 
     spec = load_spec(job)
     plan = make_plan(spec)
@@ -313,7 +313,7 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
     _check_run_uri_reachable(spec, plan, str(job))
     _check_credentials(plan.chosen.provider)
     # A remote node needs the object store's AWS credentials (exit 5 naming what to set).
-    from orchestrator.nodecreds import node_storage
+    from orchestrator.run.nodecreds import node_storage
 
     node_storage(spec, plan.chosen.provider)
 
@@ -323,7 +323,7 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
         _err(f"{spec.name} is already running under controller pid {existing['controller_pid']}; "
              f"see `dtrun status {spec.name}`, `dtrun logs {spec.name} -f`, or stop it with `dtrun down {spec.name}`")
         return EXIT_INVALID
-    from orchestrator import runuri
+    from orchestrator.contract import runuri
 
     continuing = existing is not None and existing["state"] not in TERMINAL_STATES
     if not continuing and runuri.exists(runuri.join(spec.run_uri, runuri.DONE)):
@@ -355,7 +355,7 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
     if not continuing:
         # Before the expensive part: can the run URI hold a checkpoint that restores? (On by
         # default for spot; `checkpoint.preflight` decides.) Raises PreflightError → one line.
-        from orchestrator.preflight import maybe_preflight
+        from orchestrator.run.preflight import maybe_preflight
 
         pf = maybe_preflight(spec)
         if pf is not None:
@@ -387,8 +387,8 @@ def _check_credentials(provider: str) -> None:
 
 
 def _foreground(spec, plan, store: StateStore, spec_path: str, json_out: bool) -> int:
-    from orchestrator.controller import Controller
-    from orchestrator.live import PlainView, RichView
+    from orchestrator.run.controller import Controller
+    from orchestrator.cli.live import PlainView, RichView
 
     tty = _tty_out() and not json_out
     view = RichView(store, spec.name) if tty else PlainView(store, spec.name, out=sys.stderr if json_out else None)

@@ -67,10 +67,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
-from orchestrator.errors import EXIT_INVALID, DtrunError, SpecError
-from orchestrator.gpus import GPUS, canonical_gpu
-from orchestrator.presets import ModelSpec
-from orchestrator.spec import JobSpec, Parallel
+from orchestrator.contract.errors import EXIT_INVALID, DtrunError, SpecError
+from orchestrator.contract.gpus import GPUS, canonical_gpu
+from orchestrator.plan.presets import ModelSpec
+from orchestrator.plan.spec import JobSpec, Parallel
 
 GB = 1e9
 HEADROOM = 0.10

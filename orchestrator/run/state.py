@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from orchestrator.errors import EXIT_JOB_FAILED, DtrunError
+from orchestrator.contract.errors import EXIT_JOB_FAILED, DtrunError
 
 ACTIVE_STATES = ("PENDING", "PROVISIONING", "RUNNING", "RECOVERING", "STOPPING")
 TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED", "OVER_BUDGET")

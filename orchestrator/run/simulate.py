@@ -2,7 +2,7 @@
 
 Each run builds a fresh world — an in-memory state store, a fake cloud offering only the plan's
 chosen offer (same price, spot or not, preempting spot nodes at the given rate with a seeded
-exponential clock), a run URI in RAM (``/dev/shm`` or ``memory://``) — and drives ``orchestrator.controller.Controller``
+exponential clock), a run URI in RAM (``/dev/shm`` or ``memory://``) — and drives ``orchestrator.run.controller.Controller``
 to a final state. Nothing is rented; no trainer runs. What the node would do is modelled here
 (:class:`SimNode`), from the same assumptions as the dry run's estimate:
 
@@ -45,10 +45,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator import estimate as est_mod
-from orchestrator import runuri
-from orchestrator.errors import EXIT_OK, UsageError
-from orchestrator.spec import JobSpec
+from orchestrator.plan import estimate as est_mod
+from orchestrator.contract import runuri
+from orchestrator.contract.errors import EXIT_OK, UsageError
+from orchestrator.plan.spec import JobSpec
 
 SIM_MIN_POLL_SECONDS = 60.0
 SIM_TARGET_TICKS = 150.0
@@ -275,9 +275,9 @@ def prepare(spec: JobSpec, preemptions_per_hour: float | None = None, every_over
 
 
 def run_once(setup: Setup, index: int, seed: int, max_ticks: int = 20000) -> RunResult:
-    from orchestrator.clock import VirtualClock
-    from orchestrator.controller import Controller
-    from orchestrator.state import StateStore
+    from orchestrator.run.clock import VirtualClock
+    from orchestrator.run.controller import Controller
+    from orchestrator.run.state import StateStore
     from providers import registry
     from providers.fake import FakeOfferTemplate, FakeProvider
 
@@ -425,12 +425,10 @@ def compare_young_daly(spec: JobSpec, base: dict[str, Any], preemptions_per_hour
                                   "wall_hours_mean", "work_lost_steps_mean")}
 
 
-def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: int, json_out: bool) -> int:
-    import typer
-
-    from orchestrator.spec import load_spec
-
-    spec = load_spec(job)
+def simulate_job(spec: JobSpec, preemptions_per_hour: float | None, runs: int, seed: int
+                 ) -> tuple[JobSpec, dict[str, Any]]:
+    """``dtrun simulate``'s question for a spec: the runs, the Young/Daly comparison, and a note when
+    the question changed the spec (``spot: prefer`` with a preemption rate simulates spot)."""
     note = None
     if preemptions_per_hour is not None and spec.resources.spot == "prefer":
         # The user asks what spot at this rate would do: simulate the spot side of "prefer"
@@ -443,36 +441,4 @@ def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: 
     out["young_daly"] = compare_young_daly(spec, out, preemptions_per_hour, runs, seed)
     if note:
         out["note"] = note
-    if json_out:
-        typer.echo(json.dumps(out, sort_keys=True, default=float))
-        return EXIT_OK
-    p = out
-    if note:
-        typer.echo(note)
-    typer.echo(f"{spec.name}: {p['runs']} simulated runs on {p['offer']} (${p['price_per_hour']:.2f}/h), "
-               f"{p['preemptions_per_hour']:g} preemptions/h, checkpoint every {p['checkpoint_every_steps']} steps "
-               f"({p['elapsed_s']:.1f} s)")
-    typer.echo(f"  outcome     {', '.join(f'{k} {v}' for k, v in sorted(p['states'].items()))}")
-    typer.echo(f"  wall        mean {p['wall_hours_mean']:.2f} h   p95 {p['wall_hours_p95']:.2f} h")
-    typer.echo(f"  cost        mean ${p['cost_usd_mean']:.2f}   p95 ${p['cost_usd_p95']:.2f}   max ${p['cost_usd_max']:.2f}")
-    ratio = p["expected_vs_simulated_mean"]
-    ratio_s = f" (x{ratio:.2f} of the simulated mean)" if ratio is not None else ""
-    typer.echo(f"  estimate    expected ${p['expected_usd']:.2f}{ratio_s}   with buffer ${p['estimate_usd']:.2f} "
-               f"({'covers' if p['estimate_covers_p95'] else 'BELOW'} the p95)")
-    typer.echo(f"  attempts    mean {p['attempts_mean']:.2f}   max {p['attempts_max']}   "
-               f"preemptions mean {p['preemptions_mean']:.2f}")
-    typer.echo(f"  work lost   mean {p['work_lost_steps_mean']:.0f} steps ({p['work_lost_hours_mean'] * 60:.1f} min)")
-    typer.echo(f"  goodput     mean {p['goodput_mean']:.1%}   p5 {p['goodput_p5']:.1%}   "
-               f"(after start-up: {p['training_goodput_mean']:.1%})")
-    budget = f" of budget ${p['budget_usd']:.2f}" if p["budget_usd"] is not None else " (no budget set)"
-    typer.echo(f"  budget      exceeded in {p['budget_exceeded_runs']} run(s){budget}")
-    typer.echo(f"  orphans     {p['orphan_instance_seconds']:.0f} instance-seconds billed after a job ended")
-    yd = p.get("young_daly")
-    if p.get("young_daly_every_steps"):
-        if yd:
-            typer.echo(f"  Young/Daly  every {yd['checkpoint_every_steps']} steps (you set {p['checkpoint_every_user']}): "
-                       f"cost mean ${yd['cost_usd_mean']:.2f} p95 ${yd['cost_usd_p95']:.2f}, "
-                       f"goodput {yd['goodput_mean']:.1%}")
-        else:
-            typer.echo(f"  Young/Daly  every {p['young_daly_every_steps']} steps: the interval simulated")
-    return EXIT_OK
+    return spec, out

@@ -1,4 +1,4 @@
-"""The detached controller: ``python -m orchestrator.controller_main (--spec JOB.yaml | --job NAME)``.
+"""The detached controller: ``python -m orchestrator.cli.detached (--spec JOB.yaml | --job NAME)``.
 
 ``dtrun up --detach`` (and "detach" after Ctrl-C) starts this in its own session with stdout and
 stderr going to ``$DTRUN_HOME/logs/<job>/controller.log``. It prints plain lines. SIGTERM/SIGINT
@@ -12,14 +12,14 @@ import argparse
 import signal
 import sys
 
-from orchestrator.errors import EXIT_JOB_FAILED, EXIT_OK, DtrunError
+from orchestrator.contract.errors import EXIT_JOB_FAILED, EXIT_OK, DtrunError
 
 
 def load_stored_spec(store, name: str):
     import yaml
 
-    from orchestrator.errors import NotFoundError
-    from orchestrator.spec import parse_spec
+    from orchestrator.contract.errors import NotFoundError
+    from orchestrator.plan.spec import parse_spec
 
     job = store.get_job(name)
     if job is None:
@@ -28,16 +28,16 @@ def load_stored_spec(store, name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m orchestrator.controller_main")
+    ap = argparse.ArgumentParser(prog="python -m orchestrator.cli.detached")
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--spec", help="job YAML (a new run, or continue it)")
     g.add_argument("--job", help="job name in the state store (re-attach)")
     args = ap.parse_args(argv)
 
-    from orchestrator.controller import Controller
-    from orchestrator.live import PlainView
-    from orchestrator.spec import load_spec
-    from orchestrator.state import StateStore
+    from orchestrator.run.controller import Controller
+    from orchestrator.cli.live import PlainView
+    from orchestrator.plan.spec import load_spec
+    from orchestrator.run.state import StateStore
 
     stop = {"flag": False}
 

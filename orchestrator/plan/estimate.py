@@ -21,8 +21,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from orchestrator.gpus import GPUS
-from orchestrator.spec import JobSpec
+from orchestrator.contract.gpus import GPUS
+from orchestrator.plan.spec import JobSpec
 from providers.base import Offer, Requirements
 
 # Start-up assumptions in minutes, per provider: (provisioning, setup). Setup on remote nodes

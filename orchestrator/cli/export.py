@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import NoOfferError, UsageError
-from orchestrator.spec import JobSpec, load_spec, spec_to_yaml
+from orchestrator.contract.errors import NoOfferError, UsageError
+from orchestrator.plan.spec import JobSpec, load_spec, spec_to_yaml
 
 SKYPILOT_CLOUDS = ("runpod", "lambda", "vast")
 
 WRITE_JOB_YAML = (
-    'python -c "import os; from orchestrator import runuri; '
+    'python -c "import os; from orchestrator.contract import runuri; '
     "u = runuri.join(os.environ['DTRUN_RUN_URI'], 'job.yaml'); "
     "runuri.exists(u) or runuri.write_text(u, os.environ['DTRUN_JOB_YAML'])\""
 )
@@ -93,7 +93,7 @@ def skypilot_task(spec: JobSpec, workdir: str = ".") -> tuple[dict[str, Any], li
     cfg["name"] = f"dtrun-{spec.name}"
     cfg["resources"] = {"accelerators": cfg["resources"]["accelerators"], "any_of": any_of}
     cfg["setup"] = f"{SETUP}\n{WRITE_JOB_YAML}"
-    from orchestrator.nodecreds import ACCESS_KEY, SECRET_KEY, s3_uses
+    from orchestrator.run.nodecreds import ACCESS_KEY, SECRET_KEY, s3_uses
 
     if s3_uses(spec):
         # No value: SkyPilot takes it from `sky launch --secret KEY` (the local environment's KEY).
@@ -103,7 +103,7 @@ def skypilot_task(spec: JobSpec, workdir: str = ".") -> tuple[dict[str, Any], li
 
 def _max_price(req: Any, clouds: list[str]) -> float | None:
     try:
-        from orchestrator.pricing import catalog_offers
+        from providers.catalog import catalog_offers
     except ImportError:
         return None
     prices = [o.price_per_gpu_hour for c in dict.fromkeys(clouds) for o in catalog_offers(c, req)]

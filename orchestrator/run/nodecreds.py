@@ -16,7 +16,7 @@ machine's AWS credentials, or it exits 2 after provisioning was paid for.
 
 Nodes on this machine (``local``, ``fake``) get nothing here: they inherit the controller's
 process environment. Nothing is needed when neither ``checkpoint.uri`` nor ``trainer.data`` is
-``s3://``. No credentials anywhere → :class:`orchestrator.errors.ProviderRefused` (exit 5)
+``s3://``. No credentials anywhere → :class:`orchestrator.contract.errors.ProviderRefused` (exit 5)
 naming what to set; the caller raises it before anything is rented. boto3 is imported only
 when the environment has no keys (never on the dry-run path).
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from orchestrator.errors import ProviderRefused
+from orchestrator.contract.errors import ProviderRefused
 
 ON_THIS_MACHINE = ("local", "fake")
 ACCESS_KEY = "AWS_ACCESS_KEY_ID"

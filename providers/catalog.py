@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.gpus import canonical_gpu
+from orchestrator.contract.gpus import canonical_gpu
 from providers.base import Offer, Requirements
 
 SKY_CATALOG_VERSION = "v8"

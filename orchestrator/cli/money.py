@@ -1,0 +1,128 @@
+"""``dtrun gc`` (the orphan sweep, on demand) and ``dtrun cost`` (spend per attempt beside the
+estimate). The sweep itself lives in ``orchestrator.run.sweep``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from orchestrator.contract.errors import EXIT_JOB_FAILED, EXIT_OK, NotFoundError
+from orchestrator.run.state import StateStore
+from orchestrator.run.sweep import find_orphans, gc_providers, terminate_orphans
+
+
+def _interactive() -> bool:
+    try:
+        return sys.stdin.isatty() and sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def cmd_gc(yes: bool, json_out: bool) -> int:
+    """``dtrun gc [--yes] [--json]``: list orphans; terminate them with --yes or after a 'y' at a
+    terminal. Without a terminal and without --yes it only lists (never waits for input).
+    Exit 0 when nothing is left billing that we know of (or listing only), 1 when a terminate
+    was not confirmed or a provider could not be listed."""
+    import typer
+
+    store = StateStore()
+    names = gc_providers(store)
+    rep = find_orphans(store, names)
+    act = bool(rep.orphans) and (yes or (not json_out and _interactive() and typer.confirm(
+        f"Terminate {len(rep.orphans)} orphan instance(s)?", default=False)))
+    if not rep.orphans and not json_out:
+        typer.echo(f"no orphan instances on {', '.join(names)} ({rep.owned} owned by live jobs)")
+    elif not json_out:
+        typer.echo(f"{len(rep.orphans)} orphan instance(s):")
+        for o in rep.orphans:
+            typer.echo(f"  {o.provider:8} {o.instance.name:32} {o.instance.instance_id:24} {o.why}")
+    if act:
+        terminate_orphans(store, rep)
+        if not json_out:
+            for o in rep.orphans:
+                typer.echo(f"  {o.instance.name}: {o.outcome}{(' — ' + o.error) if o.error else ''}")
+    elif rep.orphans and not json_out:
+        typer.echo("listed only; run `dtrun gc --yes` to terminate them")
+    for prov, err in rep.errors.items():
+        if not json_out:
+            typer.echo(f"warning: could not list {prov}: {err}", err=True)
+    failed = bool(rep.errors) or any(o.outcome in ("not_confirmed", "error") for o in rep.orphans)
+    if json_out:
+        d = rep.to_dict()
+        d.update(providers=names, terminated_requested=act)
+        typer.echo(json.dumps(d, sort_keys=True))
+    return EXIT_JOB_FAILED if failed else EXIT_OK
+
+
+# ---- dtrun cost -----------------------------------------------------------------------------------
+
+def job_cost(store: StateStore, job: dict) -> dict[str, Any]:
+    """Spend per attempt (booked by the controller: price actually rented × seconds, provisioning
+    included) beside the plan's estimate."""
+    est = json.loads(job["estimate_json"]) if job.get("estimate_json") else None
+    atts = {a["n"]: a for a in store.attempts(job["name"])}
+    rows = []
+    for s in store.spend_by_attempt(job["name"]):
+        a = atts.get(s["attempt"], {})
+        offer = a.get("offer") or {}
+        rows.append({
+            "attempt": s["attempt"], "provider": a.get("provider"),
+            "offer": (f"{offer.get('provider')}/{offer.get('region')}/{offer.get('gpu')}x{offer.get('gpus_per_node')}"
+                      + ("/spot" if offer.get("spot") else "")) if offer else None,
+            "price_per_hour": s["price_per_hour"], "seconds": round(s["seconds"], 3), "usd": round(s["usd"], 6),
+            "billing": not s["closed"], "booked_until": s["billed_until"],
+            "outcome": a.get("outcome"), "reason": a.get("reason"),
+            "start_step": a.get("start_step"), "end_step": a.get("end_step"),
+        })
+    total = sum(r["usd"] for r in rows)
+    out = {
+        "name": job["name"], "state": job["state"], "reason": job.get("reason"),
+        "cost_usd": round(total, 6), "budget_usd": job.get("budget_usd"),
+        "estimate_usd": round(est["cost_usd"], 6) if est and est.get("cost_usd") is not None else None,
+        "expected_usd": round(est["expected_usd"], 6) if est and est.get("expected_usd") is not None else None,
+        "estimate_hours": est.get("hours") if est else None,
+        "attempts": rows,
+        "billing_now": any(r["billing"] for r in rows),
+        "steps_lost": job.get("steps_lost") or 0,
+    }
+    if out["expected_usd"]:
+        out["actual_vs_expected"] = round(total / out["expected_usd"], 4)
+    return out
+
+
+def cmd_cost(job: str | None, json_out: bool) -> int:
+    import typer
+
+    store = StateStore()
+    if job is not None:
+        row = store.get_job(job)
+        if row is None:
+            raise NotFoundError(f"no job named {job!r} in {store.path} (see `dtrun ls`)")
+        jobs = [row]
+    else:
+        jobs = store.list_jobs()
+    reports = [job_cost(store, j) for j in jobs]
+    if json_out:
+        payload: Any = reports[0] if job is not None else {
+            "jobs": reports, "total_usd": round(sum(r["cost_usd"] for r in reports), 6)}
+        typer.echo(json.dumps(payload, sort_keys=True))
+        return EXIT_OK
+    if not reports:
+        typer.echo("no jobs yet")
+        return EXIT_OK
+    for r in reports:
+        est = f"${r['estimate_usd']:.2f} (expected ${r['expected_usd']:.2f})" if r["estimate_usd"] is not None else "n/a"
+        budget = f"${r['budget_usd']:.2f}" if r["budget_usd"] is not None else "none"
+        live = "  [still billing]" if r["billing_now"] else ""
+        typer.echo(f"{r['name']}: {r['state']}  spent ${r['cost_usd']:.4f}  estimate {est}  budget {budget}{live}")
+        for a in r["attempts"]:
+            steps = ""
+            if a["start_step"] is not None or a["end_step"] is not None:
+                steps = f"  steps {a['start_step'] if a['start_step'] is not None else 0}→{a['end_step'] if a['end_step'] is not None else '?'}"
+            typer.echo(f"  attempt {a['attempt']:>3}  {a['offer'] or a['provider'] or '?':36} "
+                       f"${a['price_per_hour']:.4f}/h × {a['seconds'] / 3600:.3f} h = ${a['usd']:.4f}"
+                       f"  {a['outcome'] or ('billing' if a['billing'] else '')}{steps}")
+    if job is None and len(reports) > 1:
+        typer.echo(f"total: ${sum(r['cost_usd'] for r in reports):.4f}")
+    return EXIT_OK
