@@ -28,11 +28,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from orchestrator.contract.errors import EXIT_JOB_FAILED, EXIT_OK, NotFoundError
+from orchestrator.run.clock import RealClock
 from orchestrator.run.state import ACTIVE_STATES, StateStore
 from providers import errors as perr
 from providers.base import NAME_PREFIX, Handle, OwnedInstance, Provider, job_of_instance
@@ -41,15 +41,6 @@ from providers.base import NAME_PREFIX, Handle, OwnedInstance, Provider, job_of_
 # instance as "terminate sent, not confirmed" (the next sweep or `dtrun gc` tries again).
 CONFIRM_TIMEOUT_S = 300.0
 TRANSIENT_TRIES = 5
-
-
-class _RealClock:
-    def now(self) -> float:
-        return time.time()
-
-    def sleep(self, s: float) -> None:
-        if s > 0:
-            time.sleep(s)
 
 
 @dataclass
@@ -140,7 +131,7 @@ def terminate_confirmed(provider: Provider, handle: Handle, clock: Any = None,
                         timeout: float = CONFIRM_TIMEOUT_S) -> bool:
     """Terminate and poll until the provider confirms the instance gone (True) or ``timeout``
     passes (False). Transient errors are retried; other provider errors propagate."""
-    clock = clock or _RealClock()
+    clock = clock or RealClock()
     start = clock.now()
     delay = 1.0
     while True:
@@ -157,7 +148,7 @@ def terminate_confirmed(provider: Provider, handle: Handle, clock: Any = None,
 
 def find_orphans(store: StateStore, provider_names: Iterable[str | Provider], *,
                  providers: dict[str, Provider] | None = None, clock: Any = None) -> SweepReport:
-    clock = clock or _RealClock()
+    clock = clock or RealClock()
     rep = SweepReport()
     seen: set[str] = set()
     for entry in provider_names:
@@ -185,7 +176,7 @@ def find_orphans(store: StateStore, provider_names: Iterable[str | Provider], *,
 
 def terminate_orphans(store: StateStore, rep: SweepReport, *, providers: dict[str, Provider] | None = None,
                       clock: Any = None, timeout: float = CONFIRM_TIMEOUT_S) -> None:
-    clock = clock or _RealClock()
+    clock = clock or RealClock()
     for o in rep.orphans:
         _, prov = _resolve(o.provider, providers)
         i = o.instance
