@@ -126,6 +126,10 @@ class LaunchRequest:
     workdir: str | None = None
     """Directory synced to the node (the project), when the provider supports it."""
     log_path: str | None = None
+    cpu_per_gpu: float | None = None
+    """Physical CPU cores to request per GPU (providers that size containers: Modal)."""
+    memory_gb_per_gpu: float | None = None
+    """Host memory (GiB) to request per GPU (providers that size containers: Modal)."""
     secrets: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     """Secret environment for the bootstrap (the object store's AWS keys for an ``s3://`` run URI
     or data on a remote node). Never logged, never persisted: not in the state store, the fake

@@ -50,6 +50,12 @@ class Resources(_Model):
     """Refuse offers above this price (USD per GPU-hour)."""
     preemptions_per_hour: float | None = Field(None, ge=0)
     """Spot preemptions per hour the estimate assumes (default 0.2; `dtrun simulate` explores others)."""
+    cpu_per_gpu: float = Field(8.0, gt=0, le=64)
+    """Physical CPU cores requested per GPU where the provider sizes the container (Modal; data
+    loading and the host side of each rank). Instance providers give the instance's own cores."""
+    memory_gb_per_gpu: float = Field(48.0, gt=0, le=1024)
+    """Host memory (GiB) requested per GPU where the provider sizes the container (Modal; pinned
+    buffers, the data loader, checkpoint staging). Instance providers give the instance's memory."""
 
     @field_validator("gpu")
     @classmethod

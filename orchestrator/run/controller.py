@@ -538,7 +538,8 @@ class Controller:
         command = [sys.executable, str(BOOTSTRAP)] if offer.provider in ON_THIS_MACHINE else list(REMOTE_COMMAND)
         return LaunchRequest(job=self.name, attempt=n, offer=offer, nodes=s.resources.nodes,
                              command=command, env=env, deadline=deadline,
-                             workdir=str(REPO_ROOT), log_path=log_path, secrets=dict(node_secrets or {}))
+                             workdir=str(REPO_ROOT), log_path=log_path, secrets=dict(node_secrets or {}),
+                             cpu_per_gpu=s.resources.cpu_per_gpu, memory_gb_per_gpu=s.resources.memory_gb_per_gpu)
 
     def _launch_failed(self, n: int, outcome: str, reason: str, delay: float) -> None:
         now = self.now()

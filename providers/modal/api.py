@@ -1,17 +1,49 @@
-"""The one seam between dtrun and the ``modal`` SDK (1.6.x). Tests replace :class:`ModalAPI`.
+"""The one seam between dtrun and the ``modal`` SDK (1.6.x).
 
 Nothing here runs at import time; ``modal`` is imported inside each method. Records are plain
-dataclasses so the adapter and the test fake share one vocabulary.
+dataclasses so the adapter and its tests share one vocabulary. Tests drive this class through the
+real SDK against a local fake of Modal's gRPC control plane (tests/providers/fake_modal_server.py).
+
+Two reads go below the SDK's public surface, both because the public one drops what dtrun needs:
+
+* a sandbox's **result status** (OOM kill, eviction, timeout, internal failure…): the SDK keeps the
+  server's ``GenericResult`` on the sandbox (``_impl.result``) but ``poll()`` returns only an exit
+  code; :meth:`ModalAPI.result` reads the proto;
+* the **GPU wait**: ``Sandbox.create`` waits up to ``_SANDBOX_SCHEDULING_TIMEOUT`` (21 min) for a
+  GPU, then terminates the unscheduled sandbox and raises ``ResourceExhaustedError("Insufficient
+  capacity…")``. :meth:`ModalAPI.create` sets that module constant to the configured bound so the
+  SDK's own path (terminate + error) runs after dtrun's wait, not 21 minutes.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 APP_NAME = "dtrun"
 REMOTE_DIR = "/root/dtrun"
 _IGNORE = [".venv", ".git", "runs", "**/__pycache__", "*.pyc", ".pytest_cache", "benchmarks/results"]
+
+# The torch build for Modal's GPU hosts. Modal states its hosts' NVIDIA driver in its CUDA guide
+# (https://modal.com/docs/guide/cuda: a 570-series or newer driver, CUDA driver API ≥ 12.8). The
+# default PyPI torch wheel for recent releases is built against CUDA 13.0 and needs a 580+ driver;
+# the cu128 wheels run on any 570+ driver, so the node image takes torch from this index.
+# Override with DTRUN_MODAL_TORCH_INDEX (e.g. .../whl/cu130 once every Modal host runs 580+).
+TORCH_INDEX = "https://download.pytorch.org/whl/cu128"
+
+DEFAULT_GPU_WAIT = 5 * 60
+"""Seconds ``Sandbox.create`` waits for a GPU before dtrun calls it no capacity (Modal: 21 min)."""
+
+# GenericResult.status → dtrun's word for it (modal_proto's enum, by number: no import needed).
+RESULT_STATUS = {0: "running", 1: "success", 2: "failure", 3: "terminated", 4: "timeout",
+                 5: "init_failure", 6: "internal_failure", 7: "idle_timeout", 8: "eviction",
+                 9: "thrashing", 10: "oom"}
+
+_sched_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -24,11 +56,19 @@ class SandboxSpec:
     gpu: str
     """``"<TYPE>:<N>"``, e.g. ``"H100:8"``."""
     timeout: int
-    """Seconds; Modal kills the sandbox then (max 24 h): dtrun's hard deadline."""
+    """Seconds; Modal kills the sandbox then (max 24 h)."""
     tags: dict[str, str] = field(default_factory=dict)
     region: str | None = None
     workdir: str | None = None
-    """Local project directory copied into the image and pip-installed (None: not needed)."""
+    """Local project directory: its declared dependencies, then its code, go into the image."""
+    cpu: float | None = None
+    """Physical cores requested (Modal's ``cpu``)."""
+    memory_mb: int | None = None
+    """Memory requested, MiB (Modal's ``memory``)."""
+    base_image: str | None = None
+    """A registry image to build on (None: Modal's debian-slim with Python 3.11)."""
+    gpu_wait: float = DEFAULT_GPU_WAIT
+    """Seconds to wait for a GPU before giving up with no capacity."""
     secrets: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     """Secret environment (``LaunchRequest.secrets``), sent as ``modal.Secret.from_dict``; never
     stored or logged by dtrun."""
@@ -41,39 +81,164 @@ class SandboxRecord:
     tags: dict[str, str]
 
 
-class ModalAPI:
-    """Thin wrapper over ``modal.App.lookup``, ``modal.Sandbox.create/from_id/list``, ``poll`` and
-    ``terminate``. Methods raise Modal's own exceptions; the adapter maps them."""
+@dataclass(frozen=True)
+class SandboxResult:
+    """How a sandbox stands: ``status`` is ``running`` or a RESULT_STATUS word."""
 
-    def __init__(self, app_name: str = APP_NAME) -> None:
-        self.app_name = app_name
+    status: str
+    exitcode: int | None = None
+    exception: str = ""
 
-    def _image(self, workdir: str | None) -> Any:
-        import modal
+    @property
+    def running(self) -> bool:
+        return self.status == "running"
 
+
+class BuildFailed(Exception):
+    """The image build failed (not transient). ``logs``: the build's output, as streamed."""
+
+    def __init__(self, message: str, image_id: str, logs: str) -> None:
+        super().__init__(message)
+        self.image_id = image_id
+        self.logs = logs
+
+
+def declared_dependencies(workdir: str | os.PathLike[str]) -> list[str]:
+    """``[project].dependencies`` of the project at ``workdir`` (what the node needs to run)."""
+    import tomllib
+
+    path = Path(workdir) / "pyproject.toml"
+    if not path.is_file():
+        return []
+    return list(tomllib.loads(path.read_text()).get("project", {}).get("dependencies", []))
+
+
+def _is_torch(req: str) -> bool:
+    import re
+
+    return re.split(r"[<>=!~ \[;]", req.strip(), maxsplit=1)[0].lower() == "torch"
+
+
+def build_image(workdir: str | None, base_image: str | None = None, torch_index: str | None = None) -> Any:
+    """The node image, in layers that change at different rates:
+
+    1. base (``base_image`` from a registry, or debian-slim + Python 3.11);
+    2. torch, from the CUDA build chosen for Modal's driver (``TORCH_INDEX``) — GBs, rarely changes;
+    3. the project's other declared dependencies (``pyproject.toml``);
+    4. the code, copied in, installed with ``--no-deps`` (an edit rebuilds only this layer).
+    """
+    import modal
+
+    if base_image:
+        image = modal.Image.from_registry(base_image, add_python="3.11")
+    else:
         image = modal.Image.debian_slim(python_version="3.11")
-        if workdir:
-            image = image.add_local_dir(workdir, REMOTE_DIR, copy=True, ignore=_IGNORE).run_commands(
-                f"cd {REMOTE_DIR} && python -m pip install -q -e .")
+    if not workdir:
         return image
+    deps = declared_dependencies(workdir)
+    torch = [d for d in deps if _is_torch(d)]
+    rest = [d for d in deps if not _is_torch(d)]
+    if torch:
+        index = torch_index or os.environ.get("DTRUN_MODAL_TORCH_INDEX") or TORCH_INDEX
+        image = image.pip_install(*torch, index_url=index)
+    if rest:
+        image = image.pip_install(*rest)
+    return image.add_local_dir(workdir, REMOTE_DIR, copy=True, ignore=_IGNORE).run_commands(
+        f"cd {REMOTE_DIR} && python -m pip install -q --no-deps -e .")
 
-    def create(self, spec: SandboxSpec) -> str:
+
+def _build_log_capture(on_line: Callable[[str], None] | None) -> Any:
+    """An SDK output manager that keeps the image build's streamed log lines (and reports them)."""
+    from modal._output.manager import DisabledOutputManager
+
+    class Capture(DisabledOutputManager):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        async def put_streaming_log(self, log: Any, prefix: str = "") -> None:
+            for line in (log.data or "").splitlines():
+                self.lines.append(line)
+                if on_line is not None:
+                    on_line(line)
+
+    return Capture()
+
+
+class ModalAPI:
+    """Thin wrapper over ``modal.App.lookup``, ``modal.Sandbox.create/from_id/from_name/list``,
+    ``poll`` and ``terminate``. Methods raise Modal's own exceptions (and :class:`BuildFailed`);
+    the adapter maps them."""
+
+    def __init__(self, app_name: str = APP_NAME, on_build_line: Callable[[str], None] | None = None) -> None:
+        self.app_name = app_name
+        self.on_build_line = on_build_line
+        self._app_id: str | None = None
+
+    def _app(self) -> Any:
         import modal
 
         app = modal.App.lookup(self.app_name, create_if_missing=True)
+        self._app_id = app.app_id
+        return app
+
+    def app_id(self) -> str:
+        if self._app_id is None:
+            self._app()
+        assert self._app_id is not None
+        return self._app_id
+
+    def _image(self, spec: SandboxSpec) -> Any:
+        return build_image(spec.workdir, spec.base_image)
+
+    def create(self, spec: SandboxSpec) -> str:
+        import modal
+        import modal.sandbox._impl_v1 as v1
+        from modal._output.manager import OutputManager
+        from modal.exception import ImageBuildError
+
+        app = self._app()
         secrets = [modal.Secret.from_dict(dict(spec.secrets))] if spec.secrets else None
-        sb = modal.Sandbox.create(
-            *spec.command, app=app, name=spec.name, tags=spec.tags, image=self._image(spec.workdir),
-            env=dict(spec.env), secrets=secrets, timeout=spec.timeout, gpu=spec.gpu, region=spec.region,
-            workdir=REMOTE_DIR if spec.workdir else None,
-        )
+        capture = _build_log_capture(self.on_build_line)
+        with _sched_lock:  # one process-wide SDK constant: set it for this create's wait
+            previous = OutputManager.get()
+            v1._SANDBOX_SCHEDULING_TIMEOUT = float(spec.gpu_wait)
+            OutputManager._set(capture)
+        try:
+            sb = modal.Sandbox.create(
+                *spec.command, app=app, name=spec.name, tags=spec.tags, image=self._image(spec),
+                env=dict(spec.env), secrets=secrets, timeout=spec.timeout, gpu=spec.gpu, region=spec.region,
+                cpu=spec.cpu, memory=spec.memory_mb, workdir=REMOTE_DIR if spec.workdir else None,
+            )
+        except ImageBuildError as e:
+            raise BuildFailed(str(e), getattr(e, "image_id", ""), "\n".join(capture.lines)) from None
+        finally:
+            with _sched_lock:
+                if OutputManager.get() is capture:
+                    OutputManager._set(previous)
         return sb.object_id
 
-    def poll(self, sandbox_id: str) -> int | None:
-        """None while running, else the exit code (Modal: 124 = timed out, 137 = terminated)."""
+    def _result_of(self, sb: Any) -> SandboxResult:
+        from modal._utils.async_utils import synchronizer
+
+        sb.poll()
+        res = synchronizer._translate_in(sb)._impl.result  # the server's GenericResult (see module doc)
+        if res is None or not res.status:
+            return SandboxResult("running")
+        code = sb.returncode
+        return SandboxResult(RESULT_STATUS.get(res.status, "failure"), code, res.exception or "")
+
+    def result(self, sandbox_id: str) -> SandboxResult:
         import modal
 
-        return modal.Sandbox.from_id(sandbox_id).poll()
+        return self._result_of(modal.Sandbox.from_id(sandbox_id))
+
+    def find(self, name: str) -> str:
+        """The id of the newest sandbox named ``name`` in the dtrun app, finished or not
+        (NotFoundError if none)."""
+        import modal
+
+        return modal.Sandbox.from_name(self.app_name, name, include_terminated=True).object_id
 
     def terminate(self, sandbox_id: str) -> None:
         import modal
@@ -81,21 +246,24 @@ class ModalAPI:
         modal.Sandbox.from_id(sandbox_id).terminate()
 
     def list(self, tags: dict[str, str]) -> list[SandboxRecord]:
-        """Sandboxes still running with at least these tags."""
+        """Running sandboxes of the dtrun app with at least these tags (listed by the app's id)."""
         import modal
 
         out = []
-        for sb in modal.Sandbox.list(tags=tags):
+        for sb in modal.Sandbox.list(app_id=self.app_id(), tags=tags):
             t = sb.get_tags()
             out.append(SandboxRecord(sb.object_id, t.get("dtrun_name", ""), t))
         return out
 
     def logs(self, sandbox_id: str, tail: int) -> str:
-        """The sandbox's stdout so far (only once it has finished: reading blocks otherwise)."""
+        """The sandbox's stdout and stderr (once it has finished: reading blocks until EOF)."""
         import modal
 
         sb = modal.Sandbox.from_id(sandbox_id)
         if sb.poll() is None:
             return ""
-        text = sb.stdout.read() + sb.stderr.read()
+        out, err = sb.stdout.read(), sb.stderr.read()
+        text = out + ("\n--- stderr ---\n" + err if err else "")
         return "\n".join(text.splitlines()[-tail:])
+
+

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from providers.base import LaunchRequest, Offer, Provider
-from providers.modal.api import SandboxRecord, SandboxSpec
+from providers.modal.api import SandboxRecord, SandboxResult, SandboxSpec
 from providers.skypilot.api import ClusterRecord, JobRecord
 
 
@@ -92,7 +92,8 @@ class FakeSkyAPI:
 
 
 class FakeModalAPI:
-    """Recorded stand-in for ``providers.modal.api.ModalAPI``."""
+    """Recorded stand-in for ``providers.modal.api.ModalAPI``, for controller-level tests that need
+    no SDK. The provider contract suite drives the real SDK against ``fake_modal_server`` instead."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
@@ -112,24 +113,33 @@ class FakeModalAPI:
         self._maybe_fail("create")
         self.n += 1
         sid = f"sb-{self.n:04d}"
-        self.sandboxes[sid] = {"spec": spec, "code": None}
+        self.sandboxes[sid] = {"spec": spec, "code": None, "status": "running"}
         return sid
 
-    def poll(self, sandbox_id: str) -> int | None:
-        self.calls.append(("poll", sandbox_id))
+    def result(self, sandbox_id: str) -> SandboxResult:
+        self.calls.append(("result", sandbox_id))
         self._maybe_fail("poll")
         if sandbox_id not in self.sandboxes:
             from modal.exception import NotFoundError
 
             raise NotFoundError(f"Sandbox {sandbox_id} not found")
-        return self.sandboxes[sandbox_id]["code"]
+        sb = self.sandboxes[sandbox_id]
+        return SandboxResult(sb["status"], sb["code"])
+
+    def find(self, name: str) -> str:
+        for sid, sb in reversed(list(self.sandboxes.items())):
+            if sb["spec"].name == name:
+                return sid
+        from modal.exception import NotFoundError
+
+        raise NotFoundError(f"Sandbox with name {name!r} not found")
 
     def terminate(self, sandbox_id: str) -> None:
         self.calls.append(("terminate", sandbox_id))
         self._maybe_fail("terminate")
         sb = self.sandboxes.get(sandbox_id)
         if sb is not None and sb["code"] is None:
-            sb["code"] = 137
+            sb["code"], sb["status"] = 137, "terminated"
 
     def list(self, tags: dict[str, str]) -> list[SandboxRecord]:
         self.calls.append(("list", tags))
@@ -140,8 +150,27 @@ class FakeModalAPI:
     def logs(self, sandbox_id: str, tail: int) -> str:
         return ""
 
-    def exits(self, sandbox_id: str, code: int) -> None:
+    def exits(self, sandbox_id: str, code: int, status: str | None = None) -> None:
         self.sandboxes[sandbox_id]["code"] = code
+        self.sandboxes[sandbox_id]["status"] = status or ("success" if code == 0 else "failure")
+
+
+_MODAL_SERVER = None
+
+
+def modal_server():
+    """One fake Modal control plane for the session (tests/providers/fake_modal_server.py), the
+    real ``modal`` client pointed at it through MODAL_SERVER_URL; its state is reset per use."""
+    global _MODAL_SERVER
+    from fake_modal_server import FakeModal
+
+    if _MODAL_SERVER is None:
+        _MODAL_SERVER = FakeModal().start()
+    _MODAL_SERVER.reset()
+    os.environ["MODAL_SERVER_URL"] = _MODAL_SERVER.url
+    os.environ.setdefault("MODAL_TOKEN_ID", "ak-fake")
+    os.environ.setdefault("MODAL_TOKEN_SECRET", "as-fake")
+    return _MODAL_SERVER
 
 
 class VClock:
@@ -245,15 +274,18 @@ def make_env(name: str, tmp_path) -> ProviderEnv:
     if name == "modal":
         from providers.modal import ModalProvider
 
-        api = FakeModalAPI()
-        p = ModalProvider(api, home=tmp_path / "dtrun-home", confirm_wait_seconds=0.0)
+        from providers.modal.api import ModalAPI
+
+        server = modal_server()  # the real SDK, against the local fake control plane
+        p = ModalProvider(ModalAPI(), home=tmp_path / "dtrun-home", confirm_wait_seconds=2.0,
+                          gpu_wait_seconds=2.0)
         offer = Offer("modal", "any", "H100", 8, False, 3.95)
         return ProviderEnv(
             name, p, offer, ["python", "infra/node_bootstrap.py"],
             to_running=lambda h: None,
-            preempt=lambda h: api.exits(h.instance_id, 137),
-            exits=lambda h, c: api.exits(h.instance_id, c),
-            fake=api,
+            preempt=lambda h: server.finish(h.instance_id, 137, "terminated"),  # Modal took it
+            exits=lambda h, c: server.finish(h.instance_id, c),
+            fake=server,
         )
     raise ValueError(name)
 

@@ -1,5 +1,6 @@
 """One contract suite, run against every provider: fake, local (real processes), RunPod/Lambda/Vast
-through the SkyPilot adapter behind a recorded fake SkyAPI, and Modal behind a fake ModalAPI."""
+through the SkyPilot adapter behind a recorded fake SkyAPI, and Modal through the real ``modal``
+client against a local fake of Modal's gRPC control plane (tests/providers/fake_modal_server.py)."""
 
 from __future__ import annotations
 
@@ -118,17 +119,22 @@ def _sky_errors():
 
 
 def _modal_errors():
-    import modal.exception as me
+    """Modal: the fake control plane answers the RPC with a gRPC status; the real SDK turns it into
+    its own exception (after its own retries for UNAVAILABLE/INTERNAL); the adapter maps that."""
+    from grpclib import Status
 
+    many = 8  # more than the SDK's own retries (3): the fault outlasts them
     return [
-        ("create", me.AuthError("Token missing"), perr.AuthError),
-        ("create", me.ResourceExhaustedError("workspace spending limit reached"), perr.QuotaExceeded),
-        ("create", me.ResourceExhaustedError("too many sandbox creations"), perr.Transient),
-        ("create", me.ConnectionError("deadline exceeded"), perr.Transient),
-        ("create", me.InvalidError("bad gpu"), perr.NotSupported),
-        ("create", me.Error("no capacity for H100 in region"), perr.NoCapacity),
-        ("poll", me.InternalError("boom"), perr.Transient),
-        ("terminate", me.ServiceError("unavailable"), perr.Transient),
+        ("create", ("SandboxCreate", Status.UNAUTHENTICATED, "Token missing", 1), perr.AuthError),
+        ("create", ("SandboxCreate", Status.PERMISSION_DENIED, "not allowed", 1), perr.AuthError),
+        ("create", ("SandboxCreate", Status.RESOURCE_EXHAUSTED, "workspace spending limit reached", 1),
+         perr.QuotaExceeded),
+        ("create", ("SandboxCreate", Status.RESOURCE_EXHAUSTED, "too many sandbox creations", 1), perr.Transient),
+        ("create", ("SandboxCreate", Status.UNAVAILABLE, "connection dropped", many), perr.Transient),
+        ("create", ("SandboxCreate", Status.INVALID_ARGUMENT, "bad gpu", 1), perr.NotSupported),
+        ("create", ("AppGetOrCreate", Status.UNAVAILABLE, "connection dropped", many), perr.Transient),
+        ("poll", ("SandboxWait", Status.INTERNAL, "boom", many), perr.Transient),
+        ("terminate", ("SandboxTerminate", Status.UNAVAILABLE, "unavailable", many), perr.Transient),
     ]
 
 
@@ -154,6 +160,8 @@ def test_errors_map_to_the_hierarchy(name, tmp_path, credentials, monkeypatch):
             env.to_running(h)
         if name == "fake":
             env.fake.inject(op, native)
+        elif name == "modal":
+            env.fake.fail_next(*native[:3], times=native[3])
         else:
             env.fake.fail(op, native)
         with pytest.raises(expected) as ei:
@@ -165,6 +173,8 @@ def test_errors_map_to_the_hierarchy(name, tmp_path, credentials, monkeypatch):
                 p.terminate(h)
         assert type(ei.value) is expected, (op, native, ei.value)
         assert ei.value.provider == name
+        if name == "modal":
+            env.fake.script.fail.clear()
         if h is not None:
             p.terminate(h)
 
