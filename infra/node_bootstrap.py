@@ -22,6 +22,11 @@ What it does, in order:
        ``DTRUN_BUDGET_LEFT_USD`` by the next check plus a whole stop sequence (both graces below),
        so even a trainer that has to be killed is gone before the money runs out;
      - ``deadline``: ``DTRUN_DEADLINE`` (unix time) is within two check intervals plus both graces;
+     - ``restart``: the provider ends this node ``DTRUN_NODE_TIMEOUT_SECONDS`` after its start
+       (Modal's 24-hour sandbox cap); ``DTRUN_RESTART_GRACE_SECONDS`` (default 1200) before that, less
+       the same margins, it stops for a planned restart (checkpoint, exit 76, resume elsewhere) —
+       so the watchdog's deadline is the earlier of the job's deadline and the node's timeout less
+       the grace;
      - ``controller_lost``: ``lease.json`` has been expired for longer than
        ``DTRUN_CONTROLLER_LOST_MINUTES`` (only when set);
      - ``idle``: ``progress.json``'s step has not advanced for ``DTRUN_IDLE_MINUTES``.
@@ -76,7 +81,7 @@ JOB_FILE = getattr(runuri, "JOB_FILE", "job.yaml")
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
-REASONS = ("budget", "deadline", "controller_lost", "idle")
+REASONS = ("budget", "deadline", "restart", "controller_lost", "idle")
 
 
 def log(msg: str) -> None:
@@ -123,6 +128,8 @@ class NodeConfig:
     price_per_hour: float | None = None
     budget_left_usd: float | None = None
     deadline: float | None = None
+    node_timeout_seconds: float | None = None
+    restart_grace_seconds: float = 1200.0
     controller_lost_minutes: float | None = None
     idle_minutes: float | None = None
     check_seconds: float = 10.0
@@ -165,6 +172,8 @@ class NodeConfig:
             price_per_hour=_float(env, "DTRUN_PRICE_PER_HOUR"),
             budget_left_usd=_float(env, "DTRUN_BUDGET_LEFT_USD"),
             deadline=_float(env, "DTRUN_DEADLINE"),
+            node_timeout_seconds=_float(env, "DTRUN_NODE_TIMEOUT_SECONDS"),
+            restart_grace_seconds=_float(env, "DTRUN_RESTART_GRACE_SECONDS") or 1200.0,
             controller_lost_minutes=_float(env, "DTRUN_CONTROLLER_LOST_MINUTES"),
             idle_minutes=_float(env, "DTRUN_IDLE_MINUTES"),
             check_seconds=_float(env, "DTRUN_WATCHDOG_SECONDS") or 10.0,
@@ -331,6 +340,8 @@ class Watchdog:
         self.clock = clock
         self.spend_since = cfg.launched_at if cfg.launched_at is not None else start
         self.started = start
+        self.restart_at = (start + cfg.node_timeout_seconds - cfg.restart_grace_seconds
+                           if cfg.node_timeout_seconds else None)
         self.reason: str | None = None
         self.detail: str = ""
         self._last_step: tuple | None = None
@@ -360,6 +371,18 @@ class Watchdog:
             return None
         if now + 2 * c.check_seconds + c.stop_grace_seconds + c.kill_grace_seconds >= c.deadline:
             return f"deadline {c.deadline:.0f} is {c.deadline - now:.0f}s away"
+        return None
+
+    def check_restart(self, now: float) -> str | None:
+        """The provider's own end of this node (its timeout) less the grace is near, and comes
+        before the job's deadline (that one is ``deadline``)."""
+        c = self.cfg
+        if self.restart_at is None or (c.deadline is not None and c.deadline <= self.restart_at):
+            return None
+        if now + 2 * c.check_seconds + c.stop_grace_seconds + c.kill_grace_seconds >= self.restart_at:
+            end = self.restart_at + c.restart_grace_seconds
+            return (f"planned restart: the provider's {c.node_timeout_seconds:.0f}s timeout ends this node "
+                    f"in {end - now:.0f}s (restart grace {c.restart_grace_seconds:.0f}s)")
         return None
 
     def _read(self, name: str):
@@ -410,6 +433,7 @@ class Watchdog:
     def check(self, now: float | None = None) -> tuple[str, str] | None:
         now = self.clock() if now is None else now
         for reason, fn in (("budget", self.check_budget), ("deadline", self.check_deadline),
+                           ("restart", self.check_restart),
                            ("controller_lost", self.check_lease), ("idle", self.check_idle)):
             detail = fn(now)
             if detail:

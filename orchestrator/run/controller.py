@@ -428,7 +428,9 @@ class Controller:
         assert self.strategy is not None
         job = self.job()
         r = self.spec.recovery
-        used = len(self.session_attempts())
+        # A planned restart (the provider's lifetime cap, e.g. Modal's 24 h) is not a launch the
+        # recovery limits count: it is how a long job runs there.
+        used = len([a for a in self.session_attempts() if a["outcome"] != "planned_restart"])
         if used >= r.max_attempts:
             self._give_up(f"gave up after {used} launches (recovery.max_attempts = {r.max_attempts})")
             return
@@ -689,6 +691,12 @@ class Controller:
             self._end_attempt(n, "watchdog", f"the node's watchdog stopped it: {wd}")
             self._begin_stop("OVER_BUDGET", f"{wd}: the node's watchdog stopped the run", write_stop=False)
             return
+        if wd == "restart":
+            # The node checkpointed before the provider's own timeout (Modal's 24 h cap) and asked
+            # to be resumed: relaunch at once, not a preemption, no backoff.
+            self._begin_recovery("planned_restart", f"attempt {n}: planned restart before the provider's "
+                                                    f"timeout (the node checkpointed)", planned=True)
+            return
         if wd == "idle":
             self._end_attempt(n, "watchdog", "the node's watchdog stopped it: idle")
             self._begin_stop("FAILED", "idle: the node's watchdog saw no progress", write_stop=False)
@@ -754,7 +762,7 @@ class Controller:
         full = reason + (f"; last trainer log lines:\n{tail}" if tail else "")
         self._begin_stop("FAILED", full, write_stop=False)
 
-    def _begin_recovery(self, outcome: str, reason: str) -> None:
+    def _begin_recovery(self, outcome: str, reason: str, planned: bool = False) -> None:
         now = self.now()
         att = self.current_attempt()
         if att:
@@ -767,7 +775,10 @@ class Controller:
             self.store.update_job(self.name, steps_lost=(job["steps_lost"] or 0) + lost)
         if self.strategy is None:
             self._make_strategy()
-        delay = self.strategy.ended() if self.strategy else self.spec.recovery.backoff_seconds
+        if planned:
+            delay = 0.0
+        else:
+            delay = self.strategy.ended() if self.strategy else self.spec.recovery.backoff_seconds
         self.next_launch_at = now + delay
         self.recovery_started = self.recovery_started or now
         self.event(outcome, reason + (f"; {lost} steps lost" if lost else ""))

@@ -141,6 +141,31 @@ def test_watchdog_deadline_two_intervals_plus_graces(tmp_path):
     assert wd.check(2000 - 109)[0] == "deadline"
 
 
+def test_watchdog_restart_before_the_providers_timeout(tmp_path):
+    # Modal: the node gets 24 h (DTRUN_NODE_TIMEOUT_SECONDS from its start); the watchdog's deadline
+    # is the earlier of the job's deadline and that timeout less the restart grace.
+    _, wd = _wd(tmp_path, node_timeout_seconds=86400.0, restart_grace_seconds=1200.0)
+    end = 1000 + 86400 - 1200  # start + timeout - grace
+    assert wd.check(end - 111) is None
+    reason, detail = wd.check(end - 109)
+    assert reason == "restart" and "planned restart" in detail
+    # the job's deadline comes first: that is a deadline stop, not a restart
+    _, wd = _wd(tmp_path, node_timeout_seconds=86400.0, restart_grace_seconds=1200.0, deadline=50_000.0)
+    assert wd.check(50_000 - 109)[0] == "deadline"
+    _, wd = _wd(tmp_path, node_timeout_seconds=86400.0, restart_grace_seconds=1200.0, deadline=end + 60)
+    assert wd.check(end - 109)[0] == "restart"  # the deadline is past the restart point: restart first
+    cfg = nb.NodeConfig.from_env({"DTRUN_RUN_URI": "file:///x", "DTRUN_JOB": "j",
+                                  "DTRUN_NODE_TIMEOUT_SECONDS": "86400", "DTRUN_RESTART_GRACE_SECONDS": "900"})
+    assert (cfg.node_timeout_seconds, cfg.restart_grace_seconds) == (86400.0, 900.0)
+
+
+def test_restart_stop_checkpoints_and_exits_resume_me(tmp_path):
+    uri = _run_uri(tmp_path)
+    r = _boot(uri, FAKE_STEPS="400", DTRUN_NODE_TIMEOUT_SECONDS="12", DTRUN_RESTART_GRACE_SECONDS="4")
+    assert r.returncode == nb.EXIT_WATCHDOG, r.stderr
+    assert _read(uri, "watchdog.json")["reason"] == "restart"
+
+
 def test_watchdog_lease_off_by_default_and_stale_when_set(tmp_path):
     uri, wd = _wd(tmp_path)
     runuri.write_json(runuri.join(uri, runuri.LEASE), {"expires": 1000.0, "renewed": 985.0, "controller": "x"})

@@ -1,0 +1,137 @@
+"""A job longer than Modal's 24-hour sandbox cap, on a virtual clock: the real controller, the real
+Modal adapter, the real node watchdog (``infra/node_bootstrap.Watchdog``) deciding when to stop.
+
+Below the adapter is the recorded ``FakeModalAPI`` seam (no SDK: the clock is virtual and Modal's
+control plane knows only real time), extended with what Modal does on its own: it kills a sandbox
+``timeout`` seconds after it started (result status TIMEOUT, exit 124, work since the last
+checkpoint lost). A simulated trainer plays the run-URI contract (progress, COMMITTED checkpoints,
+STOP honoured with a checkpoint, DONE)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "providers"))
+sys.path.insert(0, str(ROOT / "infra"))
+
+import node_bootstrap as nb  # noqa: E402
+from provider_fakes import FakeModalAPI  # noqa: E402
+
+from orchestrator.contract import runuri  # noqa: E402
+from orchestrator.plan.estimate import make_plan  # noqa: E402
+from orchestrator.plan.spec import parse_spec  # noqa: E402
+from orchestrator.run.clock import VirtualClock  # noqa: E402
+from orchestrator.run.controller import Controller  # noqa: E402
+from orchestrator.run.state import StateStore  # noqa: E402
+from providers.base import Offer  # noqa: E402
+from providers.modal import ModalProvider  # noqa: E402
+
+MODAL = Offer("modal", "any", "H100", 1, False, 4.0)
+STEP_S = 100.0
+STEPS = 1080          # × 100 s = 30 hours of training
+EVERY = 50            # a checkpoint every 50 steps (~1.4 h)
+
+
+class ModalWorld(FakeModalAPI):
+    """Modal's side on the virtual clock: sandboxes start at once, end at their timeout (Modal) or
+    when their node's watchdog stops them (the real Watchdog, from the sandbox's own env)."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.timeouts: list[str] = []      # sandboxes Modal killed at their timeout
+
+    def create(self, spec):
+        sid = super().create(spec)
+        env = {**spec.env, "DTRUN_WATCHDOG_SECONDS": "10"}
+        sb = self.sandboxes[sid]
+        sb.update(start=self.clock(), s0=None, wd=nb.Watchdog(nb.NodeConfig.from_env(env), start=self.clock(),
+                                                              clock=self.clock))
+        return sid
+
+    def result(self, sandbox_id):
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is not None and sb["code"] is None:
+            self._advance(sandbox_id, sb)
+        return super().result(sandbox_id)
+
+    def _advance(self, sid, sb):
+        now = self.clock()
+        spec = sb["spec"]
+        uri = spec.env["DTRUN_RUN_URI"]
+        attempt = int(spec.env["DTRUN_ATTEMPT"])
+        if sb["s0"] is None:
+            lc = runuri.latest_committed(uri)
+            sb["s0"] = lc[0] if lc else 0
+        end = min(now, sb["start"] + spec.timeout)
+        step = min(STEPS, sb["s0"] + int((end - sb["start"]) / STEP_S))
+        for k in range(sb["s0"] + 1, step + 1):
+            if k % EVERY == 0 or k == STEPS:
+                c = runuri.join(runuri.checkpoint_uri(uri, k), runuri.COMMITTED)
+                if not runuri.exists(c):
+                    runuri.write_json(c, {"step": k, "time": end})
+        lc = runuri.latest_committed(uri)
+        runuri.write_json(runuri.join(uri, runuri.PROGRESS),
+                          {"step": step, "steps": STEPS, "loss": 2.0, "tokens_per_s": 1.0, "time": end,
+                           "attempt": attempt, "last_committed_step": lc[0] if lc else None})
+        if step >= STEPS:
+            runuri.write_json(runuri.join(uri, runuri.DONE), {"step": step, "time": end})
+            self.exits(sid, 0)
+            return
+        if now >= sb["start"] + spec.timeout:  # Modal ends it: no checkpoint since the last one
+            self.timeouts.append(sid)
+            self.exits(sid, 124, "timeout")
+            return
+        wd = sb["wd"]
+        if wd.reason is None:
+            hit = wd.check(now)
+            if hit:
+                wd.record(*hit)  # watchdog.json + STOP, as on the node
+        if runuri.exists(runuri.join(uri, runuri.STOP)):
+            c = runuri.join(runuri.checkpoint_uri(uri, step), runuri.COMMITTED)  # the STOP checkpoint
+            if not runuri.exists(c):
+                runuri.write_json(c, {"step": step, "time": now})
+            self.exits(sid, nb.EXIT_WATCHDOG if wd.reason else 0)
+
+
+@pytest.fixture
+def world(tmp_path, dtrun_home, monkeypatch):
+    monkeypatch.setenv("MODAL_TOKEN_ID", "dummy-id")
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "dummy-secret")
+    clock = VirtualClock()
+    api = ModalWorld(clock)
+    provider = ModalProvider(api, home=dtrun_home, confirm_wait_seconds=0.0)
+    store = StateStore(dtrun_home / "state.db")
+    spec = parse_spec({
+        "name": "long",
+        "resources": {"providers": ["modal"], "gpu": "H100", "gpus_per_node": 1, "spot": False},
+        "trainer": {"model": "tiny", "steps": STEPS, "batch_size": 8, "seq_len": 64},
+        "checkpoint": {"uri": f"file://{tmp_path}/run", "every_steps": EVERY},
+        "budget": {"max_usd": 1000.0},
+        "recovery": {"poll_seconds": 60, "backoff_seconds": 10, "heartbeat_timeout_seconds": 900},
+    })
+    c = Controller(spec, store, clock=clock, providers={"modal": provider}, plan=make_plan(spec, offers=[MODAL]))
+    yield dict(c=c, api=api, store=store, clock=clock)
+    store.close()
+
+
+def test_a_30_hour_job_on_modal_restarts_once_as_planned_and_loses_no_work(world):
+    c, api, store = world["c"], world["api"], world["store"]
+    t0 = world["clock"]()
+    assert c.run() == "SUCCEEDED"
+    job = store.get_job("long")
+    assert job["step"] == STEPS
+    atts = store.attempts("long")
+    assert [a["outcome"] for a in atts[:-1]] == ["planned_restart"], [(a["outcome"], a["reason"]) for a in atts]
+    assert api.timeouts == []                 # Modal never had to kill a sandbox at its 24 h cap
+    assert (job["steps_lost"] or 0) == 0      # the planned checkpoint kept every step
+    first = api.sandboxes["sb-0001"]
+    assert first["spec"].timeout == 24 * 3600
+    # it stopped within the restart grace of the cap, and the job took 30 h plus little
+    assert 23 * 3600 < atts[0]["ended_at"] - first["start"] < 24 * 3600
+    assert world["clock"]() - t0 < 30 * 3600 + 3600
+    assert c.summary()["attempts"] == 2
