@@ -155,6 +155,28 @@ def cmd_ls(json_out: bool) -> int:
 
 # ---- logs ----------------------------------------------------------------------------------------
 
+REMOTE_LOG_PROVIDERS = ("modal",)
+"""Providers whose attempt output lives with the provider, not in a local log file (a Modal
+sandbox's stdout/stderr): ``dtrun logs`` asks the provider for it."""
+
+
+def _provider_log(store: StateStore, job: str, attempt: int) -> str:
+    from providers import registry
+    from providers.base import Handle
+
+    out = []
+    for nd in store.nodes(job):
+        if nd["attempt"] != attempt or nd["provider"] not in REMOTE_LOG_PROVIDERS:
+            continue
+        try:
+            text = registry.get(nd["provider"]).logs(Handle.from_dict(nd["handle"]), tail=2000)
+        except Exception as e:  # noqa: BLE001 - logs are best effort; say why they are missing
+            text = f"(logs of {nd['name']} unavailable: {type(e).__name__}: {e})"
+        if text:
+            out.append(text if text.endswith("\n") else text + "\n")
+    return "".join(out)
+
+
 def cmd_logs(job: str, follow: bool) -> int:
     store = StateStore()
     if store.get_job(job) is None:
@@ -191,6 +213,10 @@ def cmd_logs(job: str, follow: bool) -> int:
             if a["log_path"] and os.path.exists(a["log_path"]):
                 sys.stdout.write(f"--- attempt {a['n']} log: {a['log_path']} ---\n")
                 sys.stdout.write(Path(a["log_path"]).read_text(errors="replace"))
+            elif a["provider"] in REMOTE_LOG_PROVIDERS:
+                text = _provider_log(store, job, a["n"])
+                if text:
+                    sys.stdout.write(f"--- attempt {a['n']} log ({a['provider']}) ---\n{text}")
         sys.stdout.write("--- controller events ---\n")
         drain(logs=False)
         return EXIT_OK

@@ -133,13 +133,14 @@ class FakeModalServicer(ModalClientBase):
 
     async def MountPutFile(self, stream) -> None:
         req = await stream.recv_message()
-        self.s.blobs[req.sha256_hex] = req.data
-        await stream.send_message(api_pb2.MountPutFileResponse(exists=True))
+        if req.data or req.data_blob_id:
+            self.s.blobs[req.sha256_hex] = req.data
+        await stream.send_message(api_pb2.MountPutFileResponse(exists=req.sha256_hex in self.s.blobs))
 
     async def MountBatchedCheckExistence(self, stream) -> None:
         req = await stream.recv_message()
         await stream.send_message(api_pb2.MountBatchedCheckExistenceResponse(
-            exists=[h in self.s.blobs for h in req.sha256_hexes]))
+            missing_sha256_hex_hashes=[h for h in req.sha256_hex_hashes if h not in self.s.blobs]))
 
     # --- images ------------------------------------------------------------------------------
     async def ImageGetOrCreate(self, stream) -> None:
