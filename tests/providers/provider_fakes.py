@@ -165,7 +165,10 @@ def modal_server():
     from fake_modal_server import FakeModal
 
     if _MODAL_SERVER is None:
+        import modal.client
+
         _MODAL_SERVER = FakeModal().start()
+        modal.client._Client._client_from_env = None  # a client made earlier would talk elsewhere
     _MODAL_SERVER.reset()
     os.environ["MODAL_SERVER_URL"] = _MODAL_SERVER.url
     os.environ.setdefault("MODAL_TOKEN_ID", "ak-fake")

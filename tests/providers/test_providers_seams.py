@@ -119,50 +119,34 @@ def test_skypilot_poll_edge_cases(tmp_path, credentials):
     assert [o.name for o in p.list_owned()] == [h3.name]
 
 
-def test_modalapi_calls_the_sdk_as_documented(monkeypatch):
-    import modal
-
+def test_modalapi_calls_the_sdk_as_documented(monkeypatch, tmp_path):
+    """The real SDK builds and sends the requests, to the local fake control plane: what reaches
+    Modal is what dtrun means (entrypoint, GPU, name, tags, timeout, environment)."""
     from providers.modal import ModalProvider
     from providers.modal.api import ModalAPI
 
-    created = {}
+    from provider_fakes import modal_server
 
-    class FakeSandbox:
-        object_id = "sb-123"
-
-        def poll(self):
-            return None
-
-        def terminate(self):
-            created["terminated"] = True
-
-        def get_tags(self):
-            return {"dtrun": "1", "dtrun_name": "dtrun-gpt-a2"}
-
-    def fake_create(*args, **kw):
-        created["args"], created["kw"] = args, kw
-        return FakeSandbox()
-
-    monkeypatch.setattr(modal.App, "lookup", staticmethod(lambda name, create_if_missing: f"app:{name}"))
-    monkeypatch.setattr(modal.Sandbox, "create", staticmethod(fake_create))
-    monkeypatch.setattr(modal.Sandbox, "from_id", staticmethod(lambda sid: FakeSandbox()))
-    monkeypatch.setattr(modal.Sandbox, "list", staticmethod(lambda tags: [FakeSandbox()]))
+    server = modal_server()
     monkeypatch.setenv("MODAL_TOKEN_ID", "i")
     monkeypatch.setenv("MODAL_TOKEN_SECRET", "s")
-
-    p = ModalProvider(ModalAPI())
+    p = ModalProvider(ModalAPI(), home=tmp_path)
     req = _request("modal", spot=False)
     req = LaunchRequest(req.job, req.attempt, req.offer, 1, req.command, req.env, deadline=None, workdir=None)
     h = p.launch(req)
-    assert h.instance_id == "sb-123"
-    assert created["args"] == ("python", "infra/node_bootstrap.py")
-    kw = created["kw"]
-    assert kw["gpu"] == "H100:8" and kw["name"] == "dtrun-gpt-a2" and kw["app"] == "app:dtrun"
-    assert kw["tags"] == {"dtrun": "1", "dtrun_job": "gpt", "dtrun_name": "dtrun-gpt-a2"}
-    assert kw["timeout"] == 24 * 3600 and kw["env"]["DTRUN_RUN_URI"] == "s3://b/gpt"
-    assert kw["env"]["DTRUN_NPROC_PER_NODE"] == "8"
+    sb = server.sandboxes[h.instance_id]
+    d = sb.definition
+    assert list(d.entrypoint_args) == ["python", "infra/node_bootstrap.py"]
+    assert d.name == "dtrun-gpt-a2" and sb.app_id == server.apps["dtrun"]
+    assert d.resources.gpu_config.gpu_type == "H100" and d.resources.gpu_config.count == 8
+    assert sb.tags == {"dtrun": "1", "dtrun_job": "gpt", "dtrun_name": "dtrun-gpt-a2"}
+    assert d.timeout_secs == 24 * 3600
+    (env,) = [server.secrets[s] for s in d.secret_ids]  # V1 sends `env` as an ephemeral secret
+    assert env["DTRUN_RUN_URI"] == "s3://b/gpt" and env["DTRUN_NPROC_PER_NODE"] == "8"
+    assert env["DTRUN_NODE_TIMEOUT_SECONDS"] == str(24 * 3600)
     assert p.poll(h) is NodeState.RUNNING
     assert [o.name for o in p.list_owned()] == ["dtrun-gpt-a2"]
+    p.terminate(h)
 
 
 def test_modal_timeout_is_the_hard_deadline(tmp_path):

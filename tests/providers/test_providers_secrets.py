@@ -37,14 +37,15 @@ def test_remote_launch_carries_secrets_to_the_sdk_and_stores_none(name, tmp_path
     req = dataclasses.replace(penv.request(secrets=dict(SECRETS)),
                               env={"DTRUN_RUN_URI": "s3://b/run", "AWS_ENDPOINT_URL": "http://s3.x"})
     h = penv.provider.launch(req)
-    calls = [c for c in penv.fake.calls if c[0] in ("launch", "create")]
-    assert len(calls) == 1
-    if name == "modal":
-        spec = calls[0][1]
-        assert spec.secrets == SECRETS                      # → modal.Secret.from_dict in ModalAPI.create
-        assert SECRET not in json.dumps(spec.env) and SECRET not in repr(spec)
-        assert spec.env["AWS_ENDPOINT_URL"] == "http://s3.x"
+    if name == "modal":  # what the real SDK sent to the (local fake) control plane
+        (sb,) = penv.fake.sandboxes.values()
+        sent = [penv.fake.secrets[s] for s in sb.definition.secret_ids]
+        assert SECRETS in sent                              # its own modal.Secret.from_dict
+        (env,) = [d for d in sent if d != SECRETS]           # the plain `env`, with no secret in it
+        assert SECRET not in json.dumps(env) and env["AWS_ENDPOINT_URL"] == "http://s3.x"
     else:
+        calls = [c for c in penv.fake.calls if c[0] in ("launch", "create")]
+        assert len(calls) == 1
         cfg = calls[0][1]["config"]
         assert cfg["secrets"] == SECRETS                    # SkyPilot task `secrets:`
         assert SECRET not in json.dumps(cfg["envs"])
@@ -71,39 +72,18 @@ def test_skypilot_accepts_the_task_with_secrets_and_redacts_them(tmp_path, crede
 
 
 def test_modal_api_passes_a_modal_secret_to_sandbox_create(monkeypatch):
-    import modal
-
     from providers.modal.api import ModalAPI, SandboxSpec
 
-    got: dict = {}
-    made: list = []
-    real_from_dict = modal.Secret.from_dict
+    from provider_fakes import modal_server
 
-    def from_dict(d):
-        made.append(dict(d))
-        return real_from_dict(d)
-
-    class _SB:
-        object_id = "sb-1"
-
-    def create(*args, **kw):
-        got.update(kw, args=args)
-        return _SB()
-
-    monkeypatch.setattr(modal.Secret, "from_dict", staticmethod(from_dict))
-    monkeypatch.setattr(modal.App, "lookup", staticmethod(lambda *a, **k: object()))
-    monkeypatch.setattr(modal.Sandbox, "create", staticmethod(create))
-    monkeypatch.setattr(ModalAPI, "_image", lambda self, workdir: None)
+    server = modal_server()
     spec = SandboxSpec(name="dtrun-j-a1", command=["python", "x.py"], env={"A": "1"}, gpu="H100:1", timeout=60,
                        secrets=dict(SECRETS))
-    assert ModalAPI().create(spec) == "sb-1"
-    assert made == [SECRETS]
-    assert len(got["secrets"]) == 1 and isinstance(got["secrets"][0], modal.Secret)
-    assert got["env"] == {"A": "1"}
-    got.clear()
-    made.clear()
-    ModalAPI().create(SandboxSpec(name="n", command=["true"], env={}, gpu="H100:1", timeout=60))
-    assert got["secrets"] is None and made == []
+    sid = ModalAPI().create(spec)
+    sent = [server.secrets[s] for s in server.sandboxes[sid].definition.secret_ids]
+    assert SECRETS in sent and {"A": "1"} in sent and len(sent) == 2
+    sid = ModalAPI().create(SandboxSpec(name="n", command=["true"], env={}, gpu="H100:1", timeout=60))
+    assert list(server.sandboxes[sid].definition.secret_ids) == []
 
 
 def test_fake_cloud_drops_secrets(tmp_path):
