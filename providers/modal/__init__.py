@@ -1,20 +1,34 @@
 """Modal through its SDK (SkyPilot has no Modal cloud): one attempt = one Sandbox.
 
-* **Launch**: ``modal.Sandbox.create(<node bootstrap argv>, gpu="H100:8", timeout=<seconds to
-  the hard deadline, at most 24 h>, image=<debian-slim + the project pip-installed>,
-  app=App "dtrun", name=<instance name>, tags={"dtrun": "1", "dtrun_job": …, "dtrun_name": …},
-  secrets=[modal.Secret.from_dict(request.secrets)])`` (the AWS keys for an ``s3://`` run URI:
-  an ephemeral Modal secret, never in ``env``, the memo file or the handle).
-  The sandbox ends when its command exits (the node removes itself) or at ``timeout``.
-* **Poll**: ``sandbox.poll()``: None → RUNNING; 0 → SUCCEEDED; 75/76 → PREEMPTED; 137
-  (terminated) → TERMINATED if dtrun terminated it, else PREEMPTED (Modal took it);
-  124 (timeout: the hard deadline) → PREEMPTED (the controller decides from its own deadline);
-  other → FAILED; unknown id → TERMINATED if ours, else PREEMPTED.
-* **Terminate**: ``sandbox.terminate()``; a sandbox already finished or unknown is fine;
-  confirmed when ``poll()`` returns an exit code.
-* **list_owned**: ``Sandbox.list(tags={"dtrun": "1"})`` filtered by name prefix.
+* **Launch** (blocks: run it off the controller's loop): the node image is built first, in layers
+  (``api.build_image``: base → torch from the CUDA build for Modal's driver → the project's other
+  declared dependencies → the code, ``pip install --no-deps -e .``), so a code edit rebuilds only
+  the top; then ``modal.Sandbox.create(<bootstrap argv>, app=App "dtrun", name=<instance name>,
+  gpu="H100:8", cpu=<cores per GPU × GPUs>, memory=<MiB>, timeout=<to the deadline, cut after the
+  build, at most 24 h>, tags={"dtrun": "1", "dtrun_job": …, "dtrun_name": …},
+  secrets=[modal.Secret.from_dict(request.secrets)])``. The SDK waits for a GPU at most
+  ``gpu_wait_seconds`` (``DTRUN_MODAL_GPU_WAIT_SECONDS``, default 300; Modal's own is 21 min), then
+  terminates the unscheduled sandbox and raises "Insufficient capacity" → ``NoCapacity`` (next
+  offer). A failed build → :class:`ImageBuildFailed` (the build's message, its last log lines and
+  ``modal image logs <id>``; not retried). The name already taken → re-attach to that sandbox;
+  ``ConflictError("Sandbox already finished")`` → the sandbox is found by name and its result read.
+* **24-hour cap**: the node gets ``DTRUN_NODE_TIMEOUT_SECONDS`` (the sandbox's timeout) and
+  ``DTRUN_RESTART_GRACE_SECONDS``; its watchdog checkpoints and exits "resume me" (76, reason
+  ``restart``) that long before Modal's kill, and the controller relaunches as a planned restart.
+* **Poll**: the sandbox's result *status*, not only its exit code: running → RUNNING; kernel OOM
+  kill / memory thrashing / init failure → FAILED (the reason in :meth:`end_reason` and ``logs``);
+  eviction, internal failure, timeout → PREEMPTED; otherwise the code: 0 → SUCCEEDED; 75/76 →
+  PREEMPTED; 137 (terminated) → TERMINATED if dtrun terminated it, else PREEMPTED; other → FAILED;
+  unknown id (NotFound) → gone: TERMINATED if ours, else PREEMPTED.
+* **Terminate**: ``sandbox.terminate()``; finished or unknown is fine; confirmed when the result
+  is there. A handle with no sandbox id (a create still in flight) is found by its name.
+* **list_owned**: ``Sandbox.list(app_id=<the dtrun app's id>, tags={"dtrun": "1"})`` by name prefix.
+* **Errors**: only connection-level faults (ConnectionError, ServiceError/UNAVAILABLE, InternalError,
+  OSError) are ``Transient``; NotFound, AlreadyExists, Conflict are handled where they mean
+  something and never retried blindly.
 
-Every SDK call goes through :class:`providers.modal.api.ModalAPI` (tests use a fake). Credentials:
+Every SDK call goes through :class:`providers.modal.api.ModalAPI`; tests drive it through the real
+SDK against a local fake control plane (tests/providers/fake_modal_server.py). Credentials:
 ``MODAL_TOKEN_ID`` + ``MODAL_TOKEN_SECRET``, or ``~/.modal.toml`` (``modal token set``;
 ``MODAL_CONFIG_PATH`` moves it).
 """
@@ -42,7 +56,7 @@ from providers.base import (
     Provider,
     Requirements,
 )
-from providers.modal.api import (DEFAULT_GPU_WAIT, BuildFailed, ModalAPI, SandboxRecord, SandboxResult,
+from providers.modal.api import (DEFAULT_GPU_WAIT, BuildFailed, DeadlinePassed, ModalAPI, SandboxRecord, SandboxResult,
                                  SandboxSpec)
 
 MAX_TIMEOUT = 24 * 3600
@@ -94,6 +108,8 @@ def map_modal_error(e: BaseException) -> perr.ProviderError:
     msg = f"modal: {type(e).__name__}: {text}"
     if isinstance(e, BuildFailed):
         return ImageBuildFailed(e)
+    if isinstance(e, DeadlinePassed):
+        return perr.NotSupported(f"modal: {e}", provider="modal")
     if names & _AUTH:
         return perr.AuthError(msg + " (check MODAL_TOKEN_ID/MODAL_TOKEN_SECRET or ~/.modal.toml)", provider="modal")
     if "ResourceExhaustedError" in names:
@@ -219,6 +235,7 @@ class ModalProvider(Provider):
             tags={**TAG, "dtrun_job": request.job, "dtrun_name": request.instance_name},
             region=None if offer.region in ("", "any") else offer.region, workdir=request.workdir,
             cpu=cpu, memory_mb=mem, base_image=getattr(request, "image", None), gpu_wait=self.gpu_wait_seconds,
+            deadline=request.deadline,
             secrets=dict(request.secrets),
         )
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -69,6 +70,9 @@ class SandboxSpec:
     """A registry image to build on (None: Modal's debian-slim with Python 3.11)."""
     gpu_wait: float = DEFAULT_GPU_WAIT
     """Seconds to wait for a GPU before giving up with no capacity."""
+    deadline: float | None = None
+    """Unix time the sandbox must be gone by: the timeout is cut to it after the image is built
+    (the build's minutes do not push Modal's kill past dtrun's deadline)."""
     secrets: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     """Secret environment (``LaunchRequest.secrets``), sent as ``modal.Secret.from_dict``; never
     stored or logged by dtrun."""
@@ -92,6 +96,10 @@ class SandboxResult:
     @property
     def running(self) -> bool:
         return self.status == "running"
+
+
+class DeadlinePassed(Exception):
+    """The deadline passed while the image was building: nothing was created."""
 
 
 class BuildFailed(Exception):
@@ -205,9 +213,18 @@ class ModalAPI:
             v1._SANDBOX_SCHEDULING_TIMEOUT = float(spec.gpu_wait)
             OutputManager._set(capture)
         try:
+            image = self._image(spec)
+            image.build(app)  # every layer built (or found cached) before the timeout is fixed
+            timeout, env = spec.timeout, dict(spec.env)
+            if spec.deadline is not None:
+                timeout = min(timeout, int(spec.deadline - time.time()))
+                if timeout <= 0:
+                    raise DeadlinePassed(f"{spec.name}: the deadline passed while the image was building")
+            if "DTRUN_NODE_TIMEOUT_SECONDS" in env:
+                env["DTRUN_NODE_TIMEOUT_SECONDS"] = str(timeout)
             sb = modal.Sandbox.create(
-                *spec.command, app=app, name=spec.name, tags=spec.tags, image=self._image(spec),
-                env=dict(spec.env), secrets=secrets, timeout=spec.timeout, gpu=spec.gpu, region=spec.region,
+                *spec.command, app=app, name=spec.name, tags=spec.tags, image=image,
+                env=env, secrets=secrets, timeout=timeout, gpu=spec.gpu, region=spec.region,
                 cpu=spec.cpu, memory=spec.memory_mb, workdir=REMOTE_DIR if spec.workdir else None,
             )
         except ImageBuildError as e:

@@ -74,6 +74,8 @@ class Script:
     """(exit code, result name): the next sandbox ends before the client sees its task."""
     build_failure: str | None = None
     """Next image build fails with these build logs."""
+    build_seconds: float = 0.0
+    """How long each image build takes (real seconds)."""
     fail: dict[str, list[tuple[Status, str]]] = field(default_factory=dict)
     """RPC name → errors to answer the next calls with (one popped per call)."""
 
@@ -174,6 +176,7 @@ class FakeModalServicer(ModalClientBase):
         logs = [api_pb2.TaskLogs(data=line + "\n", file_descriptor=api_pb2.FILE_DESCRIPTOR_STDOUT)
                 for line in s.build_logs.get(req.image_id, "").splitlines()]
         await stream.send_message(api_pb2.ImageJoinStreamingResponse(task_logs=logs, entry_id="1"))
+        await asyncio.sleep(s.script.build_seconds)
         await stream.send_message(api_pb2.ImageJoinStreamingResponse(
             result=s.image_results[req.image_id], entry_id="2", eof=True))
 

@@ -115,6 +115,16 @@ def test_dependencies_are_layers_below_the_code_and_an_edit_rebuilds_only_the_co
     assert not any("torch" in c or "numpy" in c for c in new)
 
 
+def test_the_timeout_is_cut_to_the_deadline_after_the_build(modal):
+    server, p = modal
+    server.script.build_seconds = 3.0  # a slow first build
+    h = p.launch(_req(deadline=time.time() + 20))
+    d = server.sandboxes[h.instance_id].definition
+    assert d.timeout_secs <= 17  # the build's seconds came off: Modal's kill lands by the deadline
+    (env,) = [server.secrets[s] for s in d.secret_ids]
+    assert env["DTRUN_NODE_TIMEOUT_SECONDS"] == str(d.timeout_secs)  # what the node's watchdog counts
+
+
 def test_base_image_can_be_swapped(tmp_path):
     from providers.modal.api import build_image
 
