@@ -30,10 +30,10 @@ REMOTE_DIR = "/root/dtrun"
 _IGNORE = [".venv", ".git", "runs", "**/__pycache__", "*.pyc", ".pytest_cache", "benchmarks/results"]
 
 # The torch build for Modal's GPU hosts. Modal states its hosts' NVIDIA driver in its CUDA guide
-# (https://modal.com/docs/guide/cuda: a 570-series or newer driver, CUDA driver API ≥ 12.8). The
-# default PyPI torch wheel for recent releases is built against CUDA 13.0 and needs a 580+ driver;
-# the cu128 wheels run on any 570+ driver, so the node image takes torch from this index.
-# Override with DTRUN_MODAL_TORCH_INDEX (e.g. .../whl/cu130 once every Modal host runs 580+).
+# (https://modal.com/docs/guide/cuda); this choice assumes it says R570 or newer (not re-read in the
+# offline session that wrote this: see the README's Modal notes). The default PyPI torch wheel for
+# recent releases is a CUDA 13.0 build that needs R580+; cu128 wheels run on R570+, so the node
+# image takes torch from this index. Override with DTRUN_MODAL_TORCH_INDEX (…/whl/cu130 on R580+).
 TORCH_INDEX = "https://download.pytorch.org/whl/cu128"
 
 DEFAULT_GPU_WAIT = 5 * 60
