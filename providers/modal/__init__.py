@@ -56,8 +56,8 @@ from providers.base import (
     Provider,
     Requirements,
 )
-from providers.modal.api import (DEFAULT_GPU_WAIT, BuildFailed, DeadlinePassed, ModalAPI, SandboxRecord, SandboxResult,
-                                 SandboxSpec)
+from providers.modal.api import (DEFAULT_GPU_WAIT, BuildFailed, Cancelled, DeadlinePassed, ModalAPI,
+                                 SandboxRecord, SandboxResult, SandboxSpec)
 
 MAX_TIMEOUT = 24 * 3600
 DEFAULT_TIMEOUT = 24 * 3600
@@ -108,6 +108,8 @@ def map_modal_error(e: BaseException) -> perr.ProviderError:
     msg = f"modal: {type(e).__name__}: {text}"
     if isinstance(e, BuildFailed):
         return ImageBuildFailed(e)
+    if isinstance(e, Cancelled):
+        return perr.ProviderError(f"modal: {e}", provider="modal")
     if isinstance(e, DeadlinePassed):
         return perr.NotSupported(f"modal: {e}", provider="modal")
     if names & _AUTH:
@@ -265,8 +267,11 @@ class ModalProvider(Provider):
         return h
 
     def _create(self, spec: SandboxSpec, offer: Offer) -> Handle:
+        def cancelled() -> bool:
+            return bool(self._memo("name:" + spec.name).get("terminated"))
+
         try:
-            sid = self.api.create(spec)
+            sid = self.api.create(spec, should_cancel=cancelled)
         except Exception as e:
             names = _names(e)
             if "AlreadyExistsError" in names:

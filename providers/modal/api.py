@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,22 +156,44 @@ def build_image(workdir: str | None, base_image: str | None = None, torch_index:
         f"cd {REMOTE_DIR} && python -m pip install -q --no-deps -e .")
 
 
-def _build_log_capture(on_line: Callable[[str], None] | None) -> Any:
-    """An SDK output manager that keeps the image build's streamed log lines (and reports them)."""
-    from modal._output.manager import DisabledOutputManager
+class Cancelled(Exception):
+    """The launch was cancelled (terminate by name) while the image was building: nothing created."""
 
-    class Capture(DisabledOutputManager):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lines: list[str] = []
 
+class _BuildLog:
+    """The image build's streamed log lines, for one create."""
+
+    def __init__(self, on_line: Callable[[str], None] | None) -> None:
+        self.lines: list[str] = []
+        self.on_line = on_line
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+        if self.on_line is not None:
+            self.on_line(line)
+
+
+_build_logs: set[_BuildLog] = set()
+_router_installed = False
+
+
+def _install_log_router() -> None:
+    """Once per process: an SDK output manager (otherwise the silent default) that hands the image
+    build's streamed log lines to every create in progress (the SDK has no per-call hook)."""
+    global _router_installed
+    from modal._output.manager import DisabledOutputManager, OutputManager
+
+    class Router(DisabledOutputManager):
         async def put_streaming_log(self, log: Any, prefix: str = "") -> None:
+            with _sched_lock:
+                active = list(_build_logs)
             for line in (log.data or "").splitlines():
-                self.lines.append(line)
-                if on_line is not None:
-                    on_line(line)
+                for b in active:
+                    b.add(line)
 
-    return Capture()
+    if not _router_installed and type(OutputManager.get()) is DisabledOutputManager:
+        OutputManager._set(Router())
+        _router_installed = True
 
 
 class ModalAPI:
@@ -199,22 +222,28 @@ class ModalAPI:
     def _image(self, spec: SandboxSpec) -> Any:
         return build_image(spec.workdir, spec.base_image)
 
-    def create(self, spec: SandboxSpec) -> str:
+    def create(self, spec: SandboxSpec, should_cancel: Callable[[], bool] | None = None) -> str:
+        """Build the image, then create the sandbox (unless ``should_cancel()`` says so by then)
+        and wait for its GPU at most ``spec.gpu_wait`` seconds."""
         import modal
         import modal.sandbox._impl_v1 as v1
-        from modal._output.manager import OutputManager
         from modal.exception import ImageBuildError
 
         app = self._app()
         secrets = [modal.Secret.from_dict(dict(spec.secrets))] if spec.secrets else None
-        capture = _build_log_capture(self.on_build_line)
-        with _sched_lock:  # one process-wide SDK constant: set it for this create's wait
-            previous = OutputManager.get()
+        build_log = _BuildLog(self.on_build_line)
+        with _sched_lock:
+            if not hasattr(v1, "_SANDBOX_SCHEDULING_TIMEOUT"):
+                warnings.warn("modal: this SDK has no _SANDBOX_SCHEDULING_TIMEOUT; the GPU wait is Modal's own")
+            # one process-wide SDK constant, read when this create starts waiting for a GPU
             v1._SANDBOX_SCHEDULING_TIMEOUT = float(spec.gpu_wait)
-            OutputManager._set(capture)
+            _build_logs.add(build_log)
+            _install_log_router()
         try:
             image = self._image(spec)
             image.build(app)  # every layer built (or found cached) before the timeout is fixed
+            if should_cancel is not None and should_cancel():
+                raise Cancelled(f"{spec.name}: launch cancelled while the image was building")
             timeout, env = spec.timeout, dict(spec.env)
             if spec.deadline is not None:
                 timeout = min(timeout, int(spec.deadline - time.time()))
@@ -228,11 +257,10 @@ class ModalAPI:
                 cpu=spec.cpu, memory=spec.memory_mb, workdir=REMOTE_DIR if spec.workdir else None,
             )
         except ImageBuildError as e:
-            raise BuildFailed(str(e), getattr(e, "image_id", ""), "\n".join(capture.lines)) from None
+            raise BuildFailed(str(e), getattr(e, "image_id", ""), "\n".join(build_log.lines)) from None
         finally:
             with _sched_lock:
-                if OutputManager.get() is capture:
-                    OutputManager._set(previous)
+                _build_logs.discard(build_log)
         return sb.object_id
 
     def _result_of(self, sb: Any) -> SandboxResult:

@@ -45,7 +45,7 @@ class ModalWorld(FakeModalAPI):
         self.clock = clock
         self.timeouts: list[str] = []      # sandboxes Modal killed at their timeout
 
-    def create(self, spec):
+    def create(self, spec, should_cancel=None):
         sid = super().create(spec)
         env = {**spec.env, "DTRUN_WATCHDOG_SECONDS": "10"}
         sb = self.sandboxes[sid]

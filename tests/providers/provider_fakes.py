@@ -108,7 +108,7 @@ class FakeModalAPI:
         if self.errors.get(op):
             raise self.errors[op].pop(0)
 
-    def create(self, spec: SandboxSpec) -> str:
+    def create(self, spec: SandboxSpec, should_cancel=None) -> str:
         self.calls.append(("create", spec))
         self._maybe_fail("create")
         self.n += 1

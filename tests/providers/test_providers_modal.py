@@ -287,3 +287,27 @@ def test_dtrun_logs_shows_a_modal_attempts_stdout_and_stderr(modal, tmp_path, ca
     assert cmd_logs("mj", follow=False) == 0
     out = capsys.readouterr().out
     assert "step 7 loss 2.9" in out and "CUDA error: boom" in out
+
+
+@pytest.mark.timeout(120)
+def test_a_cancel_during_the_image_build_creates_nothing(modal, tmp_path):
+    server, p = modal
+    server.script.build_seconds = 2.0
+    out: dict = {}
+
+    def launch():
+        try:
+            out["handle"] = p.launch(_req(workdir=str(_project(tmp_path))))
+        except Exception as e:  # noqa: BLE001
+            out["error"] = e
+
+    t = threading.Thread(target=launch)
+    t.start()
+    end = time.monotonic() + 20
+    while "ImageJoinStreaming" not in server.calls and time.monotonic() < end:
+        time.sleep(0.02)
+    p.terminate(Handle("modal", "dtrun-mj-a1", ""))  # nothing to find yet: remembered by name
+    t.join(60)
+    assert not t.is_alive()
+    assert "handle" not in out and "cancelled" in str(out["error"])
+    assert server.sandboxes == {}  # no sandbox was ever created
