@@ -319,6 +319,7 @@ class FakeModal:
         self._server: grpclib.server.Server | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
+        self._protocols: list[Any] = []
 
     def reset(self) -> None:
         """Forget every app, image and sandbox (a fresh account), keeping the server up."""
@@ -348,6 +349,13 @@ class FakeModal:
             self._loop = loop
             asyncio.set_event_loop(loop)
             self._server = grpclib.server.Server([FakeModalServicer(self)])
+            factory = self._server._protocol_factory
+
+            def track():  # every client connection, so a test can drop them all
+                proto = factory()
+                self._protocols.append(proto)
+                return proto
+            self._server._protocol_factory = track
             loop.run_until_complete(self._server.start("127.0.0.1", self.port))
             self.port = self._server._server.sockets[0].getsockname()[1]
             ready.set()
@@ -367,10 +375,19 @@ class FakeModal:
             self._thread.join(10)
             self._loop = None
 
-    def restart(self) -> None:
-        """Drop every connection (the client reconnects on its next call); same port, same state."""
-        self.stop()
-        self.start()
+    def drop_connections(self) -> int:
+        """Abort every client connection at the TCP level (a network drop); the server stays up,
+        so the client reconnects on its next call."""
+        def f() -> int:
+            n = 0
+            for proto in self._protocols:
+                transport = getattr(getattr(proto, "connection", None), "_transport", None)
+                if transport is not None and not transport.is_closing():
+                    transport.abort()
+                    n += 1
+            self._protocols.clear()
+            return n
+        return self._on_loop(f)
 
     def __enter__(self) -> "FakeModal":
         return self.start()

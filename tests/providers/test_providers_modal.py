@@ -117,10 +117,10 @@ def test_dependencies_are_layers_below_the_code_and_an_edit_rebuilds_only_the_co
 
 def test_the_timeout_is_cut_to_the_deadline_after_the_build(modal):
     server, p = modal
-    server.script.build_seconds = 3.0  # a slow first build
+    server.script.build_seconds = 1.5  # a slow first build
     h = p.launch(_req(deadline=time.time() + 20))
     d = server.sandboxes[h.instance_id].definition
-    assert d.timeout_secs <= 17  # the build's seconds came off: Modal's kill lands by the deadline
+    assert d.timeout_secs <= 18  # the build's seconds came off: Modal's kill lands by the deadline
     (env,) = [server.secrets[s] for s in d.secret_ids]
     assert env["DTRUN_NODE_TIMEOUT_SECONDS"] == str(d.timeout_secs)  # what the node's watchdog counts
 
@@ -198,7 +198,7 @@ def test_dropped_connections_are_retried_by_the_sdk_then_transient(modal):
     h = p.launch(_req())
     server.fail_next("SandboxWait", Status.UNAVAILABLE, "connection reset", times=2)
     assert p.poll(h) is NodeState.RUNNING  # the SDK's own retries got through
-    server.restart()  # every connection dropped
+    assert server.drop_connections() >= 1  # every TCP connection aborted
     assert p.poll(h) is NodeState.RUNNING
     server.fail_next("SandboxWait", Status.UNAVAILABLE, "connection reset", times=8)
     with pytest.raises(perr.Transient):
@@ -292,7 +292,7 @@ def test_dtrun_logs_shows_a_modal_attempts_stdout_and_stderr(modal, tmp_path, ca
 @pytest.mark.timeout(120)
 def test_a_cancel_during_the_image_build_creates_nothing(modal, tmp_path):
     server, p = modal
-    server.script.build_seconds = 2.0
+    server.script.build_seconds = 0.5  # per layer
     out: dict = {}
 
     def launch():
