@@ -282,7 +282,14 @@ class ModalAPI:
         """The id of the newest sandbox named ``name`` in the dtrun app, finished or not
         (NotFoundError if none)."""
         import modal
+        from modal.exception import NotFoundError
 
+        try:  # a running one: modal 1.6 looks up V2 by name, then falls back to V1 (GPU sandboxes)
+            return modal.Sandbox.from_name(self.app_name, name).object_id
+        except NotFoundError:
+            pass
+        # a finished one: only the V2 lookup takes include_terminated (assumed to see V1 sandboxes
+        # too, as SandboxListV2 does; NotFoundError otherwise)
         return modal.Sandbox.from_name(self.app_name, name, include_terminated=True).object_id
 
     def terminate(self, sandbox_id: str) -> None:
