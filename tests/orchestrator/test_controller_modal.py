@@ -1,4 +1,6 @@
-"""A job longer than Modal's 24-hour sandbox cap, on a virtual clock: the real controller, the real
+"""The controller with Modal. (1) No GPU on Modal: through the real ``modal`` client against the
+local fake control plane, the attempt is a capacity miss and the next offer is launched.
+(2) A job longer than Modal's 24-hour sandbox cap, on a virtual clock: the real controller, the real
 Modal adapter, the real node watchdog (``infra/node_bootstrap.Watchdog``) deciding when to stop.
 
 Below the adapter is the recorded ``FakeModalAPI`` seam (no SDK: the clock is virtual and Modal's
@@ -135,3 +137,50 @@ def test_a_30_hour_job_on_modal_restarts_once_as_planned_and_loses_no_work(world
     assert 23 * 3600 < atts[0]["ended_at"] - first["start"] < 24 * 3600
     assert world["clock"]() - t0 < 30 * 3600 + 3600
     assert c.summary()["attempts"] == 2
+
+
+def test_no_modal_gpu_moves_the_controller_to_the_next_offer(tmp_path, dtrun_home, monkeypatch):
+    """Through the real modal client and the local fake control plane: Modal never schedules the
+    sandbox; after the bounded wait the attempt is a capacity miss and the next launch is the next
+    offer at once (not the same Modal offer again after a transient backoff)."""
+    from provider_fakes import FakeSkyAPI, modal_server
+
+    from providers.modal.api import ModalAPI
+    from providers.skypilot import SkyPilotProvider
+
+    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-fake")
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-fake")
+    monkeypatch.setenv("RUNPOD_API_KEY", "dummy-runpod")
+    server = modal_server()
+    server.script.schedule = False
+    sky = FakeSkyAPI()
+    providers = {"modal": ModalProvider(ModalAPI(), home=dtrun_home, confirm_wait_seconds=2.0, gpu_wait_seconds=1.0),
+                 "runpod": SkyPilotProvider("runpod", sky, home=dtrun_home)}
+    runpod = Offer("runpod", "any", "H100", 1, False, 5.0)
+    spec = parse_spec({
+        "name": "cap",
+        "resources": {"providers": ["modal", "runpod"], "gpu": "H100", "gpus_per_node": 1, "spot": False},
+        "trainer": {"model": "tiny", "steps": 100, "batch_size": 8, "seq_len": 64},
+        "checkpoint": {"uri": f"file://{tmp_path}/run", "every_steps": 10},
+        "budget": {"max_usd": 100.0},
+        "recovery": {"poll_seconds": 30, "backoff_seconds": 600},
+    })
+    store = StateStore(dtrun_home / "state.db")
+    c = Controller(spec, store, clock=VirtualClock(), providers=providers,
+                   plan=make_plan(spec, offers=[MODAL, runpod]))
+    c.start()
+    for _ in range(4):
+        c.tick()
+        if len(store.attempts("cap")) >= 2:
+            break
+    atts = store.attempts("cap")
+    assert atts[0]["provider"] == "modal" and atts[0]["outcome"] == "no_capacity", atts[0]
+    assert "Insufficient capacity" in atts[0]["reason"]
+    assert atts[1]["provider"] == "runpod"
+    assert [sb.id for sb in server.sandboxes.values()] == server.terminated  # nothing left on Modal
+    store.request_action("cap", "stop_now")
+    for _ in range(5):
+        if c.tick() in ("CANCELLED", "FAILED"):
+            break
+    store.close()
+    server.reset()
