@@ -59,15 +59,17 @@ def up(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Run the controller in the background.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Known traps are errors (exit 2), not warnings.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Rent even when the plan does not fit the GPU's memory (exit 4 otherwise); warns.")] = False,
 ) -> None:
     """Estimate, confirm, then run the job to the end (or only estimate, with --dry-run)."""
     from orchestrator.cli.up import cmd_dry_run
 
     if dry_run:
-        raise typer.Exit(cmd_dry_run(job, json_out, strict))
+        raise typer.Exit(cmd_dry_run(job, json_out, strict, force))
     from orchestrator.cli.jobs import cmd_up
 
-    raise typer.Exit(cmd_up(job, yes=yes, detach=detach, json_out=json_out, strict=strict))
+    raise typer.Exit(cmd_up(job, yes=yes, detach=detach, json_out=json_out, strict=strict, force=force))
 
 
 @app.command()

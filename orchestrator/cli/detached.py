@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--spec", help="job YAML (a new run, or continue it)")
     g.add_argument("--job", help="job name in the state store (re-attach)")
+    ap.add_argument("--force", action="store_true", help="run auto's smallest plan even if it does not fit memory")
     args = ap.parse_args(argv)
 
     from orchestrator.run.controller import Controller
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         store = StateStore()
         if args.spec:
             spec, path = load_spec(args.spec), args.spec
+            if args.force:
+                from orchestrator.plan.planner import resolve_parallel
+
+                spec = resolve_parallel(spec, force=True)
         else:
             spec, job = load_stored_spec(store, args.job)
             path = job["spec_path"]

@@ -316,20 +316,29 @@ def spawn_detached(store: StateStore, name: str, args: list[str]) -> int:
     return proc.pid
 
 
-def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = False, strict: bool = False) -> int:
-    from orchestrator.cli.up import plan_report, print_plan, verdict_exit_code
+def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = False, strict: bool = False,
+           force: bool = False) -> int:
+    from orchestrator.cli.up import FORCE_WARNING, plan_report, print_plan, run_spec, verdict_exit_code
     from orchestrator.plan.estimate import make_plan
     from orchestrator.plan.spec import load_spec
 
-    spec = load_spec(job)
+    written = load_spec(job)
+    # What the nodes run: auto resolved (degrees, micro-batch, checkpointing); the report judges
+    # the spec as written (what auto was allowed to change).
+    spec = run_spec(written)
     plan = make_plan(spec)
-    report = plan_report(spec, plan)
-    code = verdict_exit_code(spec, plan, report, strict)
+    report = plan_report(written, plan)
+    code = verdict_exit_code(written, plan, report, strict, force)
     out = sys.stderr if json_out else sys.stdout
     if not json_out:
-        print_plan(spec, plan, report)
+        print_plan(written, plan, report)
+    if code == EXIT_OK and report.get("does_not_fit"):
+        _err(f"warning: {FORCE_WARNING}")
     if code != EXIT_OK:
-        if plan.chosen is None:
+        if report.get("does_not_fit") and not force:
+            _err(f"the plan does not fit memory: {report['does_not_fit']}; nothing rented "
+                 "(--force rents it anyway)")
+        elif plan.chosen is None:
             _err("no offer fits: " + ("; ".join(plan.refusals) or "no provider offers this GPU") + "; nothing rented")
         elif code == EXIT_INVALID:
             _err(f"--strict: {len(report.get('traps', []))} known trap(s); nothing rented")
@@ -388,7 +397,7 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
             print(f"restore preflight passed against {spec.run_uri} ({pf.seconds:.1f} s)", file=out)
 
     if detach:
-        pid = spawn_detached(store, spec.name, ["--spec", str(Path(job).resolve())])
+        pid = spawn_detached(store, spec.name, ["--spec", str(Path(job).resolve())] + (["--force"] if force else []))
         msg = (f"{spec.name}: controller running in the background (pid {pid}); "
                f"log {dtrun_home() / 'logs' / spec.name / 'controller.log'}\n"
                f"  dtrun status {spec.name}   dtrun logs {spec.name} -f   dtrun down {spec.name}")

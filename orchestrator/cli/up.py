@@ -11,6 +11,7 @@ from typing import Any
 
 from orchestrator.contract.errors import (
     EXIT_INVALID,
+    EXIT_NO_FIT,
     EXIT_NO_OFFER,
     EXIT_OK,
     EXIT_OVER_BUDGET,
@@ -49,26 +50,62 @@ def _hours(h: float) -> str:
     return f"{h:.2f} h"
 
 
+FORCE_WARNING = ("--force: renting a plan that does NOT fit the GPU's memory by the planner's bytes: "
+                 "the first step will most likely die of CUDA out-of-memory after provisioning and "
+                 "setup were paid for, and every retry pays them again")
+
+
+def run_spec(spec: JobSpec) -> JobSpec:
+    """The spec the nodes will run: ``trainer.parallel: auto`` resolved to the planner's choice
+    (degrees, micro-batch, activation checkpointing) — the smallest plan even when none fits, so
+    the estimate prices what ``--force`` would rent. Explicit degrees: the spec itself."""
+    if spec.trainer.parallel != "auto":
+        return spec
+    from orchestrator.contract.errors import SpecError
+    from orchestrator.plan.planner import resolve_parallel
+
+    try:
+        return resolve_parallel(spec, force=True)
+    except SpecError:
+        return spec  # no valid layout at all: the memory plan reports it
+
+
 def plan_report(spec: JobSpec, plan: Plan) -> dict[str, Any]:
     """The dry run's JSON object (also what `dtrun up` shows before asking)."""
     out: dict[str, Any] = {"job": spec.name, "run_uri": spec.run_uri}
     out.update(plan.to_dict())
     out["steps"] = spec.trainer.total_steps
     out["tokens"] = spec.trainer.total_tokens
-    extra = _memory_and_traps(spec, plan)
+    extra = _memory_and_traps(spec, plan, out.get("offers") or [])
     out.update(extra)
+    if out.get("chosen") is not None:
+        out["chosen"]["fits_memory"] = out["fits_memory"]
     return out
 
 
-def _memory_and_traps(spec: JobSpec, plan: Plan) -> dict[str, Any]:
+def _memory_and_traps(spec: JobSpec, plan: Plan, offer_rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The planner's memory plan and the known traps."""
     from orchestrator.plan import planner
     from orchestrator.plan import traps
 
     out: dict[str, Any] = {}
     gpu = plan.chosen.gpu if plan.chosen else spec.resources.gpu
-    mem = planner.plan(spec, gpu=gpu)
+    mem, why = planner.fit_check(spec, gpu=gpu)
     out["plan"] = mem.to_dict()
+    out["fits_memory"] = why is None
+    out["does_not_fit"] = why
+    # Which offers fit: the memory plan per distinct (GPU, GPUs per node, nodes) of the offers.
+    seen: dict[tuple, bool] = {}
+    for row, o in zip(offer_rows, plan.offers):
+        key = (o.gpu, o.gpus_per_node, max(o.nodes, spec.resources.nodes))
+        if key not in seen:
+            if key == (gpu, spec.resources.gpus_per_node, spec.resources.nodes):
+                seen[key] = why is None
+            else:
+                alt = spec.model_copy(update={"resources": spec.resources.model_copy(
+                    update={"gpu": key[0], "gpus_per_node": key[1], "nodes": key[2]})})
+                seen[key] = planner.fit_check(alt, gpu=key[0])[1] is None
+        row["fits_memory"] = seen[key]
     found = traps.find_traps(spec, plan.chosen, mem)
     out["traps"] = [{"code": t.code, "message": t.message} for t in found]
     return out
@@ -86,17 +123,25 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
               f"{spec.trainer.total_steps:,} steps ({spec.trainer.total_tokens:,} tokens) on "
               f"{r.nodes}×{r.gpus_per_node} {r.gpu} ({spot_word}); run URI {spec.run_uri}")
     if plan.offers:
-        t = Table(title="Offers that fit (cheapest expected cost first)", title_justify="left")
+        rows = report.get("offers") or []
+        fit = [bool(r.get("fits_memory", True)) for r in rows] or [True] * len(plan.offers)
+        n_fit = sum(fit)
+        title = ("Offers (cheapest expected cost first); every one fits memory" if n_fit == len(fit)
+                 else f"Offers (cheapest expected cost first); {n_fit} of {len(fit)} fit memory"
+                 if n_fit else "Offers (cheapest expected cost first); NONE fits memory")
+        t = Table(title=title, title_justify="left")
         for col, j in [("#", "right"), ("provider", "left"), ("region", "left"), ("gpu", "left"),
                        ("nodes×gpus", "right"), ("spot", "left"), ("$/GPU-h", "right"),
-                       ("$/h", "right"), ("hours", "right"), ("est. $", "right"), ("price source", "left")]:
+                       ("$/h", "right"), ("hours", "right"), ("est. $", "right"), ("fits", "left"),
+                       ("price source", "left")]:
             t.add_column(col, justify=j)  # type: ignore[arg-type]
         for i, (o, e) in enumerate(zip(plan.offers, plan.estimates), 1):
-            style = "bold green" if i == 1 else None
+            ok = fit[i - 1] if i - 1 < len(fit) else True
+            style = ("bold green" if ok else "red") if i == 1 else (None if ok else "red")
             t.add_row(str(i), o.provider, o.region, o.gpu, f"{o.nodes}×{o.gpus_per_node}",
                       "spot" if o.spot else "on-demand", f"{o.price_per_gpu_hour:.2f}",
                       f"{o.price_per_hour:.2f}", _hours(e.hours), _money(e.cost_usd),
-                      o.price_source, style=style)
+                      "yes" if ok else "NO (memory)", o.price_source, style=style)
         con.print(t)
     for reason in plan.refusals:
         con.print(f"[yellow]not offered:[/] {reason}")
@@ -120,16 +165,23 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
                   f"with {est.buffer:.0%} buffer [bold]{_money(est.cost_usd)}[/]")
     mem = report.get("plan")
     if mem:
-        fit = "fits" if mem.get("fits") else "does NOT fit"
-        con.print(f"[bold]Memory:[/] {mem.get('strategy')} → {mem.get('memory_per_gpu_gb', 0):.1f} GB per GPU ({fit})"
-                  + (f"; {mem['suggestion']}" if mem.get("suggestion") else ""))
+        ok = report.get("fits_memory", mem.get("fits"))
+        fit = "fits" if ok else "does NOT fit"
+        auto = mem.get("auto") or {}
+        con.print(f"[bold]Memory:[/] {mem.get('strategy')}, micro-batch {mem.get('micro_batch_size')}, "
+                  f"activation checkpointing {mem.get('activation_checkpointing')} → "
+                  f"{mem.get('memory_per_gpu_gb', 0):.1f} GB per GPU ({fit})"
+                  + (f"; auto chose {'; '.join(auto['changed'])}" if auto.get("changed") else ""))
+        if report.get("does_not_fit"):
+            con.print(f"[red]Does not fit:[/] {report['does_not_fit']}")
     for trap in report.get("traps", []):
         con.print(f"[yellow]warning[/] [{trap['code']}] {trap['message']}")
     if est:
         if spec.budget.max_usd is None:
             con.print("[yellow]Budget:[/] no budget.max_usd set: nothing caps the spend but budget.max_hours.")
         elif est.within_budget:
-            con.print(f"[green]Budget:[/] {_money(est.cost_usd)} ≤ {_money(spec.budget.max_usd)}: within budget.")
+            con.print(f"[green]Budget:[/] {_money(est.cost_usd)} ≤ {_money(spec.budget.max_usd)}: within budget"
+                      + (" — but the plan does not fit memory (see above)." if report.get("does_not_fit") else "."))
         else:
             con.print(f"[red]Budget:[/] {_money(est.cost_usd)} > {_money(spec.budget.max_usd)}: over budget; "
                       "nothing will be rented. Raise budget.max_usd, cut trainer.tokens/steps, or allow cheaper offers.")
@@ -152,8 +204,14 @@ def check_run_uri_reachable(spec, plan, source: str) -> None:
                         "(e.g. checkpoint.uri: s3://my-bucket/dtrun/{name}); nothing rented")
 
 
-def verdict_exit_code(spec: JobSpec, plan: Plan, report: dict[str, Any], strict: bool) -> int:
-    if strict and report.get("traps"):
+def verdict_exit_code(spec: JobSpec, plan: Plan, report: dict[str, Any], strict: bool,
+                      force: bool = False) -> int:
+    """4 when the plan does not fit memory (unless ``force``), 2 for traps under ``strict``,
+    4 with no offer, 3 over budget, else 0."""
+    if report.get("does_not_fit") and not force:
+        return EXIT_NO_FIT
+    traps = [t for t in report.get("traps", []) if not (force and t.get("code") == "does-not-fit")]
+    if strict and traps:
         return EXIT_INVALID
     if plan.chosen is None:
         return EXIT_NO_OFFER
@@ -162,17 +220,25 @@ def verdict_exit_code(spec: JobSpec, plan: Plan, report: dict[str, Any], strict:
     return EXIT_OK
 
 
-def cmd_dry_run(job: Path, json_out: bool, strict: bool = False) -> int:
+def cmd_dry_run(job: Path, json_out: bool, strict: bool = False, force: bool = False) -> int:
     spec = load_spec(job)
-    plan = make_plan(spec)
+    plan = make_plan(run_spec(spec))
     check_run_uri_reachable(spec, plan, str(job))
     report = plan_report(spec, plan)
-    code = verdict_exit_code(spec, plan, report, strict)
+    code = verdict_exit_code(spec, plan, report, strict, force)
+    if force and report.get("does_not_fit"):
+        report["warnings"] = [FORCE_WARNING]
     if json_out:
         report["exit_code"] = code
         sys.stdout.write(json.dumps(report, default=_json_default) + "\n")
         return code
     print_plan(spec, plan, report)
+    if report.get("does_not_fit"):
+        if force:
+            _console(stderr=True).print(f"[yellow]warning:[/] {FORCE_WARNING}")
+        else:
+            _console(stderr=True).print(f"[red]Refused (exit 4):[/] {report['does_not_fit']}; nothing will be "
+                                        "rented (--force rents it anyway)")
     if plan.chosen is None:
         why = "; ".join(plan.refusals) or "no provider offers this GPU"
         _console(stderr=True).print(f"[red]No offer fits:[/] {why}")

@@ -131,12 +131,18 @@ def poisson_quantile(mean: float, q: float) -> int:
     return k
 
 
+RECOMPUTE_FACTOR = {"none": 1.0, "selective": 7.0 / 6.0, "full": 8.0 / 6.0}
+"""Activation checkpointing re-runs the forward of each checkpointed block in backward: 2 of the
+6 FLOPs per parameter and token again (full: every block, 8/6; selective, every other block as the
+trainer defines it: 7/6)."""
+
+
 def step_seconds(spec: JobSpec, gpu: str | None = None, gpus: int | None = None) -> float:
-    """Seconds per optimizer step at the assumed MFU."""
+    """Seconds per optimizer step at the assumed MFU (activation recompute included)."""
     t = spec.trainer
     g = GPUS[gpu or spec.resources.gpu]
     n = gpus or spec.resources.total_gpus
-    flops = 6.0 * t.model_spec.active_params() * t.tokens_per_step
+    flops = 6.0 * t.model_spec.active_params() * t.tokens_per_step * RECOMPUTE_FACTOR[t.activation_checkpointing]
     return flops / (n * g.peak_bf16_flops * spec.budget.mfu)
 
 

@@ -67,7 +67,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
-from orchestrator.contract.errors import EXIT_INVALID, DtrunError, SpecError
+from orchestrator.contract.errors import EXIT_NO_FIT, DtrunError, SpecError
 from orchestrator.contract.gpus import GPUS, canonical_gpu
 from orchestrator.plan.presets import ModelSpec
 from orchestrator.plan.spec import JobSpec, Parallel
@@ -82,9 +82,10 @@ Device = Literal["gpu", "cpu"]
 
 
 class DoesNotFit(DtrunError):
-    """``trainer.parallel: auto`` and no rung fits the GPU's memory."""
+    """No plan fits the GPU's memory (``auto`` found none, or the pinned settings do not fit):
+    exit 4, nothing rented."""
 
-    exit_code = EXIT_INVALID
+    exit_code = EXIT_NO_FIT
 
 
 # ---- parameter inventory -----------------------------------------------------------------------
@@ -358,6 +359,10 @@ class MemoryPlan:
     suggestion: str | None = None
     """When nothing fits: a GPU type and/or node count that would."""
     notes: list[str] = field(default_factory=list)
+    activation_checkpointing: str = "none"
+    """The activation checkpointing the plan was evaluated with (``auto_plan``: its choice)."""
+    auto: dict[str, Any] | None = None
+    """``auto_plan``: what auto was allowed to choose (``pinned``) and what it changed."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -369,6 +374,7 @@ class MemoryPlan:
             "gpus_per_node": self.gpus_per_node,
             "nodes": self.nodes,
             "micro_batch_size": self.micro_batch_size,
+            "activation_checkpointing": self.activation_checkpointing,
             "parallel": self.parallel.model_dump(),
             "breakdown_gb": {k: round(v / GB, 3) for k, v in self.breakdown.items()},
             "rungs": [r.to_dict() for r in self.rungs],
@@ -376,6 +382,7 @@ class MemoryPlan:
             "headroom": HEADROOM,
             "fixed_overhead_gb": FIXED_OVERHEAD_BYTES / GB,
             "notes": list(self.notes),
+            **({"auto": self.auto} if self.auto is not None else {}),
         }
 
 
@@ -447,7 +454,7 @@ def planned_micro_batch(spec: JobSpec, par: Parallel) -> int:
 
 
 def evaluate_rung(spec: JobSpec, par: Parallel, strategy: str, device: Device,
-                  micro_batch: int | None = None) -> Rung:
+                  micro_batch: int | None = None, checkpointing: str | None = None) -> Rung:
     """Per-GPU bytes of the job under the given degrees (rank 0, the largest shard)."""
     t, ms = spec.trainer, spec.trainer.model_spec
     elem, mixed = _elem_bytes(spec, device)
@@ -473,7 +480,8 @@ def evaluate_rung(spec: JobSpec, par: Parallel, strategy: str, device: Device,
     else:
         gathered = elem * (units.get("root", 0) + biggest) + (elem + 4) * biggest
     acts = activation_bytes(ms, t.seq_len, mb, elem, tp=par.tp, ep=par.ep,
-                            checkpointing=t.activation_checkpointing, fused_attention=device == "gpu")
+                            checkpointing=checkpointing or t.activation_checkpointing,
+                            fused_attention=device == "gpu")
     modelled = state["params"] + state["grads"] + state["optimizer"] + gathered + acts
     overhead = int(HEADROOM * modelled) + (FIXED_OVERHEAD_BYTES if device == "gpu" else 0)
     breakdown = {
@@ -537,6 +545,7 @@ def plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None = None
         nodes=nn,
         micro_batch_size=mb,
         notes=notes,
+        activation_checkpointing=spec.trainer.activation_checkpointing,
     )
     if not fits and suggest:
         p.suggestion = _suggest(spec, g, gpn, nn)
@@ -621,20 +630,171 @@ def evaluate_spec_parallel(spec: JobSpec) -> Rung | None:
     return rung
 
 
-def resolve_parallel(spec: JobSpec) -> JobSpec:
-    """A copy of the spec with explicit degrees: ``trainer.parallel: auto`` becomes the planner's
-    pick (validated through the spec's own checks); explicit degrees are returned unchanged.
-    Raises :class:`DoesNotFit` when no rung fits (the message says what would)."""
+AC_ORDER = ("none", "selective", "full")
+"""Activation checkpointing from cheapest (no recompute) to dearest (every block recomputed)."""
+
+
+def pinned(spec: JobSpec) -> dict[str, bool]:
+    """What the user wrote (auto keeps it): ``micro_batch_size`` (set, not None) and
+    ``activation_checkpointing`` (written in the YAML, whatever its value)."""
+    t = spec.trainer
+    return {"micro_batch_size": t.micro_batch_size is not None,
+            "activation_checkpointing": "activation_checkpointing" in t.model_fields_set}
+
+
+def _mb_below(per_dp: int, target: int) -> int:
+    """The largest micro-batch ≤ target that divides the per-replica batch (≥ 1)."""
+    return max(m for m in range(1, max(1, target) + 1) if per_dp % m == 0)
+
+
+def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None = None,
+              nodes: int | None = None, *, suggest: bool = True) -> MemoryPlan:
+    """``trainer.parallel: auto`` in full: the cheapest plan that fits by this module's bytes.
+
+    In order of cost, the first that fits wins:
+
+    1. the lowest parallel rung at the default micro-batch, no activation checkpointing;
+    2. a smaller micro-batch (halved each round; gradient accumulation keeps ``batch_size``),
+       again lowest rung first;
+    3. the same with selective, then with full activation checkpointing.
+
+    A ``micro_batch_size`` or ``activation_checkpointing`` the user wrote is kept (only what is
+    left to auto is searched). ``.fits`` False: nothing fits; ``.suggestion`` says what would."""
+    r = spec.resources
+    g = canonical_gpu(gpu) if gpu else r.gpu
+    if g is None:
+        raise DtrunError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+    gpn = gpus_per_node or r.gpus_per_node
+    nn = nodes or r.nodes
+    n = gpn * nn
+    device: Device = "cpu" if g == "cpu" else "gpu"
+    limit = None if device == "cpu" else GPUS[g].memory_gb * GB
+    pin = pinned(spec)
+    t = spec.trainer
+    acs = [t.activation_checkpointing] if pin["activation_checkpointing"] else list(AC_ORDER)
+    cands = _candidate_rungs(spec, n, gpn)
+    valid = [(name, par) for name, par, note in cands if not note]
+    if not valid:
+        raise SpecError(
+            f"trainer.parallel: no parallel layout is valid for {n} GPUs: "
+            + "; ".join(f"{name}: {note}" for name, _, note in cands))
+
+    def rungs_at(ac: str, k: int) -> list[tuple[Rung, int]]:
+        out = []
+        for name, par in valid:
+            default = planned_micro_batch(spec, par)
+            if pin["micro_batch_size"]:
+                if k:
+                    continue
+                mb = default
+            else:
+                if default >> k < 1:
+                    continue
+                mb = _mb_below(max(1, t.batch_size // max(1, par.dp_shard)), default >> k)
+            rung = evaluate_rung(spec, par, name, device, micro_batch=mb, checkpointing=ac)
+            rung.fits = limit is None or rung.memory_bytes <= limit
+            out.append((rung, mb))
+        return out
+
+    chosen: tuple[Rung, int, str] | None = None
+    best: tuple[Rung, int, str] | None = None
+    for ac in acs:
+        k = 0
+        while True:
+            evald = rungs_at(ac, k)
+            if not evald:
+                break
+            for rung, mb in evald:
+                if best is None or rung.memory_bytes < best[0].memory_bytes:
+                    best = (rung, mb, ac)
+            hit = next(((rung, mb) for rung, mb in evald if rung.fits), None)
+            if hit is not None:
+                chosen = (hit[0], hit[1], ac)
+                break
+            k += 1
+        if chosen is not None:
+            break
+    fits = chosen is not None
+    pick = chosen or best
+    assert pick is not None
+    rung, mb, ac = pick
+    # The ladder shown is the one at the chosen micro-batch and checkpointing.
+    shown: list[Rung] = []
+    for name, par, note in cands:
+        if note:
+            shown.append(Rung(name, par, note=note))
+            continue
+        default = planned_micro_batch(spec, par)
+        m = default if pin["micro_batch_size"] else _mb_below(
+            max(1, t.batch_size // max(1, par.dp_shard)), min(default, mb))
+        x = evaluate_rung(spec, par, name, device, micro_batch=m, checkpointing=ac)
+        x.fits = limit is None or x.memory_bytes <= limit
+        shown.append(x)
+    default_mb = planned_micro_batch(spec, rung.parallel)
+    changed = []
+    if not pin["micro_batch_size"] and mb != default_mb:
+        changed.append(f"micro_batch_size {default_mb} → {mb} (gradient accumulation keeps batch_size "
+                       f"{t.batch_size})")
+    if not pin["activation_checkpointing"] and ac != t.activation_checkpointing:
+        changed.append(f"activation_checkpointing {t.activation_checkpointing} → {ac}")
+    notes = ["CPU ranks: host memory is not checked; the lowest rung is chosen"] if device == "cpu" else []
+    p = MemoryPlan(
+        strategy=rung.strategy, memory_per_gpu_gb=rung.memory_per_gpu_gb, fits=fits,
+        parallel=rung.parallel, breakdown=dict(rung.breakdown), rungs=shown, gpu=g,
+        gpu_memory_gb=None if limit is None else GPUS[g].memory_gb, gpus_per_node=gpn, nodes=nn,
+        micro_batch_size=mb, notes=notes, activation_checkpointing=ac,
+        auto={"pinned": [k for k, v in pin.items() if v], "changed": changed},
+    )
+    if not fits and suggest:
+        p.suggestion = _suggest(spec, g, gpn, nn)
+    return p
+
+
+def fit_check(spec: JobSpec, gpu: str | None = None) -> tuple[MemoryPlan, str | None]:
+    """The memory plan the job would run with on ``gpu`` (auto: :func:`auto_plan`; explicit
+    degrees: the ladder for reference) and, when it does not fit, why (else None).
+    CPU ranks always fit (host memory is not checked)."""
+    if spec.trainer.parallel == "auto":
+        p = auto_plan(spec, gpu=gpu)
+        if p.fits:
+            return p, None
+        pin = p.auto["pinned"] if p.auto else []
+        kept = (f" (auto kept what you pinned: {', '.join('trainer.' + k for k in pin)})" if pin else "")
+        return p, (f"no plan fits {p.nodes}×{p.gpus_per_node} {p.gpu} ({p.gpu_memory_gb:g} GB){kept}: "
+                   f"the smallest is {p.strategy} at {p.memory_per_gpu_gb:.1f} GB/GPU "
+                   f"(micro_batch_size {p.micro_batch_size}, activation_checkpointing "
+                   f"{p.activation_checkpointing}); {p.suggestion}")
+    p = plan(spec, gpu=gpu)
+    g = p.gpu
+    if g == "cpu" or (gpu is not None and canonical_gpu(gpu) != spec.resources.gpu):
+        return p, (None if p.fits else f"no parallel layout fits {g}: {p.suggestion}")
+    mine = evaluate_spec_parallel(spec)
+    assert mine is not None
+    if mine.fits:
+        return p, None
+    other = f"; {p.strategy} fits at {p.memory_per_gpu_gb:.1f} GB/GPU (or use parallel: auto)" if p.fits \
+        else f"; {p.suggestion}"
+    return p, (f"trainer.parallel ({mine.strategy}) needs {mine.memory_per_gpu_gb:.1f} GB/GPU on {g} "
+               f"({GPUS[g].memory_gb:g} GB){other}")
+
+
+def resolve_parallel(spec: JobSpec, force: bool = False) -> JobSpec:
+    """A copy of the spec with explicit degrees: ``trainer.parallel: auto`` becomes
+    :func:`auto_plan`'s pick — degrees, and the micro-batch and activation checkpointing it chose
+    where the user left them open (validated through the spec's own checks); explicit degrees are
+    returned unchanged. Raises :class:`DoesNotFit` (exit 4) when nothing fits (the message says
+    what would) unless ``force`` (``dtrun up --force``: the smallest plan found, which may OOM).
+    This is what the controller writes to the run URI's job.yaml: the trainer runs exactly the
+    plan the dry run printed."""
     if spec.trainer.parallel != "auto":
         return spec.model_copy(deep=True)
-    p = plan(spec)
-    if not p.fits:
-        raise DoesNotFit(
-            f"trainer.parallel: auto: {spec.trainer.model_spec.num_params() / 1e9:.2f}B-parameter model "
-            f"does not fit {p.nodes}×{p.gpus_per_node} {p.gpu} (best: {p.strategy} at "
-            f"{p.memory_per_gpu_gb:.1f} GB/GPU); {p.suggestion}")
+    p, why = fit_check(spec)
+    if why is not None and not force:
+        raise DoesNotFit(f"trainer.parallel: auto: {spec.trainer.model_spec.num_params() / 1e9:.2f}B-parameter "
+                         f"model does not fit: {why}")
     data = spec.model_dump(mode="json", exclude_none=True)
     data["trainer"]["parallel"] = p.parallel.model_dump()
     if spec.trainer.micro_batch_size is None and p.micro_batch_size != spec.trainer.batch_size // p.parallel.dp_shard:
-        data["trainer"]["micro_batch_size"] = p.micro_batch_size  # TP: keep the planned micro-batch
+        data["trainer"]["micro_batch_size"] = p.micro_batch_size  # TP or auto's smaller micro-batch
+    data["trainer"]["activation_checkpointing"] = p.activation_checkpointing
     return JobSpec.model_validate(data)

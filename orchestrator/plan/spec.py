@@ -231,7 +231,12 @@ class Recovery(_Model):
     """How hard the controller tries before giving up."""
 
     max_attempts: int = Field(20, gt=0)
-    """Most launches across the job (preemptions, failures and capacity misses together)."""
+    """Most failed launches and crashes across the job (capacity misses, API errors, trainer
+    failures, lost nodes). Preemptions do not count: budget, deadline and
+    max_preemptions_per_hour bound them."""
+    max_preemptions_per_hour: float | None = Field(12, gt=0)
+    """Stop the job (FAILED, with a reason saying so) when more than this many preemptions ended
+    within the last hour: a preemption storm (null: no rate limit; budget and deadline still apply)."""
     max_restarts_on_errors: int = Field(2, ge=0)
     """Trainer failures (non-zero exit that is not a preemption) restarted before the job FAILs."""
     max_recovery_minutes: float = Field(60, gt=0)

@@ -34,7 +34,7 @@ from orchestrator.run.clock import Clock, RealClock
 from orchestrator.contract.errors import DtrunError, ProviderRefused
 from orchestrator.run.guard import Guard, attempt_price_per_hour
 from orchestrator.run.nodecreds import node_storage
-from orchestrator.run.recovery import FailoverStrategy
+from orchestrator.run.recovery import FailoverStrategy, counted_attempts, preemption_storm
 from orchestrator.plan.spec import JobSpec, spec_to_yaml
 from orchestrator.run.state import ACTIVE_STATES, HOST, TERMINAL_STATES, StateStore, dtrun_home
 from providers import errors as perr
@@ -428,11 +428,17 @@ class Controller:
         assert self.strategy is not None
         job = self.job()
         r = self.spec.recovery
-        # A planned restart (the provider's lifetime cap, e.g. Modal's 24 h) is not a launch the
-        # recovery limits count: it is how a long job runs there.
-        used = len([a for a in self.session_attempts() if a["outcome"] != "planned_restart"])
+        # Preemptions and planned restarts (the provider's lifetime cap, e.g. Modal's 24 h) do not
+        # use up the job: max_attempts counts failed launches and crashes (recovery.py).
+        session = self.session_attempts()
+        used = counted_attempts(session)
         if used >= r.max_attempts:
-            self._give_up(f"gave up after {used} launches (recovery.max_attempts = {r.max_attempts})")
+            self._give_up(f"gave up after {used} failed launches or crashes, preemptions not counted "
+                          f"(recovery.max_attempts = {r.max_attempts})")
+            return
+        storm = preemption_storm(session, now, r.max_preemptions_per_hour)
+        if storm:
+            self._give_up(storm)
             return
         if job["deadline"] is None and self.spec.budget.max_hours:
             self.store.update_job(self.name, deadline=now + self.spec.budget.max_hours * 3600.0, started_at=now)

@@ -16,6 +16,16 @@ produces written down.
 
 Backoff: ``recovery.backoff_seconds`` × 2^(consecutive failures − 1), capped at 5 minutes; an
 attempt that makes training progress resets the count.
+
+What bounds a job (like SkyPilot's managed jobs, which recover from preemptions without limit and
+count only user-code failures):
+
+* ``recovery.max_attempts`` counts failed launches (no capacity, API errors, refusals) and
+  crashes (trainer failures, lost nodes) — :func:`counted_attempts`. A preemption (or a planned
+  restart) is not a failure and uses up nothing;
+* preemptions are bounded by money and time (the guard: ``budget.max_usd``, ``budget.max_hours``)
+  and by a rate limit: more than ``recovery.max_preemptions_per_hour`` preemptions within the
+  last hour stops the job with a reason that says so (:func:`preemption_storm`).
 """
 
 from __future__ import annotations
@@ -23,6 +33,30 @@ from __future__ import annotations
 from providers.base import Offer
 
 MAX_BACKOFF_SECONDS = 300.0
+PREEMPTION_OUTCOMES = frozenset({"preempted", "planned_restart"})
+"""Attempt outcomes that are not failures: they do not count toward ``recovery.max_attempts``."""
+STORM_WINDOW_SECONDS = 3600.0
+
+
+def counted_attempts(attempts: list[dict]) -> int:
+    """Attempts that count toward ``recovery.max_attempts``: every ended attempt whose outcome is
+    not a preemption (failed launches, crashes, lost nodes, refusals)."""
+    return sum(1 for a in attempts if a.get("outcome") and a["outcome"] not in PREEMPTION_OUTCOMES)
+
+
+def preemption_storm(attempts: list[dict], now: float, limit: float | None,
+                     window_s: float = STORM_WINDOW_SECONDS) -> str | None:
+    """Why the job must stop for a preemption storm (more than ``limit`` preemptions ended within
+    ``window_s`` before ``now``), else None. ``limit`` None: no rate limit."""
+    if limit is None:
+        return None
+    recent = [a for a in attempts if a.get("outcome") == "preempted"
+              and a.get("ended_at") is not None and a["ended_at"] >= now - window_s]
+    if len(recent) > limit:
+        return (f"preemption storm: {len(recent)} preemptions within the last {window_s / 60:.0f} min "
+                f"(recovery.max_preemptions_per_hour = {limit:g}); stopped rather than keep paying for "
+                "start-ups that never reach a checkpoint — retry later, raise the limit, or use on-demand")
+    return None
 
 
 class FailoverStrategy:
