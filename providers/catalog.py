@@ -162,3 +162,59 @@ def all_rows(gpu: str | None = None) -> list[PriceRow]:
     for p in ("runpod", "lambda", "vast", "modal"):
         out.extend(r for r in price_rows(p) if gpu is None or r.gpu == gpu)
     return sorted(out, key=lambda r: (r.gpu, r.price, r.provider, r.gpus_per_node))
+
+
+# ---- start-up figures ----------------------------------------------------------------------------
+
+STARTUP_KEYS = ("provisioning", "setup_image", "setup_install", "first_step")
+
+
+@dataclass(frozen=True)
+class StartupFigure:
+    minutes: float
+    source: str
+    date: str
+
+
+@dataclass(frozen=True)
+class StartupFigures:
+    """One provider's start-up figures from the snapshot (``startup:`` in prices.yaml)."""
+
+    provider: str
+    provisioning: StartupFigure
+    setup_image: StartupFigure
+    setup_install: StartupFigure
+    first_step: StartupFigure
+    compile: StartupFigure
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: {"minutes": getattr(self, k).minutes, "source": getattr(self, k).source,
+                    "date": getattr(self, k).date} for k in STARTUP_KEYS + ("compile",)}
+
+
+def _figure(raw: Any, where: str) -> StartupFigure:
+    if not isinstance(raw, dict) or "minutes" not in raw:
+        raise ValueError(f"{SNAPSHOT_PATH}: {where}: expected {{minutes, source, date}}")
+    minutes = float(raw["minutes"])
+    if minutes < 0 or not raw.get("source") or not raw.get("date"):
+        raise ValueError(f"{SNAPSHOT_PATH}: {where}: minutes must be ≥ 0 and source and date given")
+    return StartupFigure(minutes, str(raw["source"]), str(raw["date"]))
+
+
+def startup_figures(provider: str) -> StartupFigures:
+    """The snapshot's start-up figures for ``provider``; an unknown provider gets the slowest
+    rentable provider's figure for each item (an upper bound, labelled so)."""
+    snap = _snapshot().get("startup") or {}
+    table = snap.get("providers") or {}
+    compile_ = _figure(snap.get("compile"), "startup.compile")
+    if provider in table:
+        row = table[provider]
+        return StartupFigures(provider, *(_figure(row.get(k), f"startup.providers.{provider}.{k}")
+                                          for k in STARTUP_KEYS), compile=compile_)
+    worst = []
+    for k in STARTUP_KEYS:
+        cands = [_figure(table[p].get(k), f"startup.providers.{p}.{k}") for p in SKY_CLOUDS.keys() | {"modal"}
+                 if p in table]
+        f = max(cands, key=lambda x: x.minutes)
+        worst.append(StartupFigure(f.minutes, f"{provider} has no figure: the slowest provider's ({f.source})", f.date))
+    return StartupFigures(provider, *worst, compile=compile_)

@@ -156,7 +156,12 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
             con.print(f"  compute        {_hours(b['compute_hours'])}  = 6 × {b['active_params'] / 1e6:,.1f}M params "
                       f"× {b['tokens'] / 1e9:,.3g}B tokens / ({b['gpus']} × {b['peak_flops_per_gpu'] / 1e12:,.0f} TFLOP/s "
                       f"× MFU {b['mfu']:.2f})")
-            con.print(f"  start-up       {_hours(b['startup_hours'])}  (provisioning, setup, compile)")
+            su = b.get("startup") or {}
+            con.print(f"  start-up       {_hours(b['startup_hours'])}  (per start: provisioning "
+                      f"{su.get('provisioning_minutes', 0):g} + setup {su.get('setup_minutes', 0):g}"
+                      f" ({'prebuilt image' if su.get('prebuilt_image') else 'installs torch'})"
+                      f" + first step {su.get('first_step_minutes', 0):g} + compile {su.get('compile_minutes', 0):g}"
+                      " min; figures and sources: providers/data/prices.yaml)")
             con.print(f"  checkpoints    {_hours(b['checkpoint_hours'])}  (every {b['checkpoint_every_steps']} steps)")
         if b["preemptions_per_hour"]:
             con.print(f"  preemptions    {_hours(b['preemption_overhead_hours'])}  "

@@ -5,7 +5,8 @@ Money arithmetic (shared DESIGN.md "Money")::
     cost     = price per GPU-hour × GPUs × hours × (1 + buffer)
     hours    = budget.hours, or compute + start-up (+ preemption overhead on spot)
     compute  = 6 × active parameters × tokens / (GPUs × peak bf16 FLOP/s × MFU)
-    start-up = provisioning + setup (+ compile)
+    start-up = provisioning + setup (with or without a prebuilt image) + first step (+ compile),
+               per provider from the price snapshot's ``startup:`` figures (sources and dates there)
     spot     = N = λ·W / (1 − λ·ℓ) expected preemptions for λ per hour and W hours of work, each
                costing a restart (provision, set up, compile, load) plus half a checkpoint
                interval of lost work; ℓ = interval/2 + load + compile is a restarted node's
@@ -25,17 +26,10 @@ from orchestrator.contract.gpus import GPUS
 from orchestrator.plan.spec import JobSpec
 from providers.base import Offer, Requirements
 
-# Start-up assumptions in minutes, per provider: (provisioning, setup). Setup on remote nodes
-# installs dtrun and torch and fetches the job; local and fake nodes start in seconds.
-STARTUP_MINUTES: dict[str, tuple[float, float]] = {
-    "runpod": (3.0, 5.0),
-    "vast": (4.0, 5.0),
-    "lambda": (5.0, 5.0),
-    "modal": (1.0, 3.0),
-    "local": (0.05, 0.1),
-    "fake": (2.0, 3.0),
-}
-COMPILE_MINUTES = 1.0
+IMAGE_PROVIDERS = ("runpod", "vast", "modal")
+"""Providers whose nodes run a container image dtrun chooses (``resources.image``)."""
+VM_TORCH_PROVIDERS = ("lambda",)
+"""Providers whose VM image ships PyTorch (Lambda Stack): setup checks it instead of reinstalling."""
 # Preemptions per hour assumed for spot capacity when the spec does not say
 # (resources.preemptions_per_hour). No provider publishes a rate; one every five hours is a
 # middle-of-the-road figure for GPU spot markets. `dtrun simulate` shows what other rates do.
@@ -146,6 +140,44 @@ def step_seconds(spec: JobSpec, gpu: str | None = None, gpus: int | None = None)
     return flops / (n * g.peak_bf16_flops * spec.budget.mfu)
 
 
+def node_image(spec: JobSpec, provider: str) -> str | None:
+    """The container image a node of ``provider`` runs (None: the provider's own image/VM)."""
+    from orchestrator.plan.spec import DEFAULT_NODE_IMAGE
+
+    img = spec.resources.image
+    if provider not in IMAGE_PROVIDERS or img == "none":
+        return None
+    return DEFAULT_NODE_IMAGE if img == "default" else img
+
+
+def prebuilt(spec: JobSpec, provider: str) -> bool:
+    """Does a node start with Python and torch installed (an image, or Lambda's VM PyTorch)?"""
+    if spec.resources.image == "none":
+        return False
+    return provider in IMAGE_PROVIDERS or provider in VM_TORCH_PROVIDERS or provider == "local"
+
+
+def startup(spec: JobSpec, offer: Offer) -> dict[str, Any]:
+    """One attempt's start-up in minutes, from the snapshot's figures for the offer's provider:
+    provisioning, setup (prebuilt image or full install), first step, compile (GPU + compile)."""
+    from providers.catalog import startup_figures
+
+    f = startup_figures(offer.provider)
+    pre = prebuilt(spec, offer.provider)
+    setup = f.setup_image if pre else f.setup_install
+    comp = f.compile.minutes if spec.trainer.compile and offer.gpu != "cpu" else 0.0
+    total = f.provisioning.minutes + setup.minutes + f.first_step.minutes + comp
+    return {
+        "provider": offer.provider, "prebuilt_image": pre, "image": node_image(spec, offer.provider),
+        "provisioning_minutes": f.provisioning.minutes, "setup_minutes": setup.minutes,
+        "first_step_minutes": f.first_step.minutes, "compile_minutes": comp, "total_minutes": total,
+        "sources": {"provisioning": f"{f.provisioning.source} ({f.provisioning.date})",
+                    "setup": f"{setup.source} ({setup.date})",
+                    "first_step": f"{f.first_step.source} ({f.first_step.date})",
+                    **({"compile": f"{f.compile.source} ({f.compile.date})"} if comp else {})},
+    }
+
+
 def checkpoint_bytes(spec: JobSpec) -> float:
     """Model + AdamW state as DCP writes it: fp32 params and two fp32 moments (12 B/param)."""
     return 12.0 * spec.trainer.model_spec.num_params()
@@ -186,8 +218,8 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
     compute_h = steps * step_s / 3600.0
     n_ckpt = steps // every
     ckpt_h = n_ckpt * checkpoint_save_seconds(spec) / 3600.0
-    prov_min, setup_min = STARTUP_MINUTES.get(offer.provider, (5.0, 5.0))
-    startup_h = (prov_min + setup_min + (COMPILE_MINUTES if t.compile and offer.gpu != "cpu" else 0.0)) / 60.0
+    su = startup(spec, offer)
+    startup_h = su["total_minutes"] / 60.0
     load_h = checkpoint_bytes(spec) / (CHECKPOINT_BANDWIDTH * offer.nodes) / 3600.0
     base_h = b.hours if b.hours is not None else compute_h + ckpt_h + startup_h
 
@@ -199,7 +231,7 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
     # percent for 0.5–4 preemptions per hour.
     work_h = base_h - startup_h if b.hours is None else max(base_h - startup_h, 0.0)
     tau_h = every * step_s / 3600.0
-    compile_h = (COMPILE_MINUTES / 60.0) if (t.compile and offer.gpu != "cpu") else 0.0
+    compile_h = (su["compile_minutes"] + su["first_step_minutes"]) / 60.0  # after the node is up
     restart_h = startup_h + load_h
     exposure_h = tau_h / 2.0 + load_h + compile_h
     preempt_h = 0.0
@@ -242,6 +274,7 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
         "step_seconds": step_s,
         "compute_hours": compute_h,
         "startup_hours": startup_h,
+        "startup": su,
         "checkpoint_hours": ckpt_h,
         "checkpoint_every_steps": every,
         "preemptions_per_hour": rate,

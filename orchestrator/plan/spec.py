@@ -20,6 +20,10 @@ from orchestrator.contract.gpus import GPUS, canonical_gpu
 from orchestrator.plan.presets import PRESETS, ModelSpec, resolve_model
 
 PROVIDERS = ("runpod", "lambda", "vast", "modal", "local", "fake")
+DEFAULT_NODE_IMAGE = "pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime"
+"""``resources.image: default``: the official PyTorch image of the pinned torch (pyproject's
+``torch==2.13.0``; tag scheme ``<torch>-cuda<X.Y>-cudnn<N>-runtime`` of hub.docker.com/r/pytorch/pytorch).
+Keep it in step with the pin: tests/orchestrator/test_startup_and_images.py checks it."""
 ProviderName = Literal["runpod", "lambda", "vast", "modal", "local", "fake"]
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$")
@@ -56,6 +60,12 @@ class Resources(_Model):
     memory_gb_per_gpu: float = Field(48.0, gt=0, le=1024)
     """Host memory (GiB) requested per GPU where the provider sizes the container (Modal; pinned
     buffers, the data loader, checkpoint staging). Instance providers give the instance's memory."""
+    image: str = "default"
+    """Container image with Python and torch preinstalled for nodes that run one (RunPod and Vast:
+    SkyPilot ``image_id: docker:<image>``; Modal: the sandbox's base image). ``default``: the
+    official PyTorch image matching the pinned torch; ``none``: the provider's bare image, and every
+    start installs torch (slow). Lambda runs its VM image's PyTorch either way; the node's setup
+    step installs only what is missing."""
 
     @field_validator("gpu")
     @classmethod

@@ -20,6 +20,8 @@ debug-job-on-big-node          an 8×H100-class offer for a job one smaller GPU 
 fp32-at-scale                  fp32 training on GPUs at ≥ 1B parameters or ≥ 8 GPUs
 does-not-fit                   the memory planner finds no rung that fits (or the explicit degrees
                                do not fit while another rung would)
+startup-dominates              start-up (provisioning, setup, first step, compile: the snapshot's
+                               figures) is more than 10 % of an attempt's expected length
 =============================  ==================================================================
 """
 
@@ -241,7 +243,40 @@ def _fit(c: _Ctx) -> Trap | None:
     return None
 
 
+STARTUP_SHARE = 0.10
+"""Start-up above this share of an attempt's expected length is a trap."""
+
+
+def _startup_share(c: _Ctx) -> Trap | None:
+    """An attempt lasts the whole run on-demand, about 1/λ on spot (λ preemptions per hour);
+    each pays the start-up again."""
+    from orchestrator.plan.estimate import estimate_offer
+
+    if c.offer is None or c.spec.budget.hours is not None:
+        return None
+    est, _ = estimate_offer(c.spec, c.offer)
+    b = est.breakdown
+    startup_h = b["startup_hours"]
+    if startup_h <= 0 or not est.hours or est.hours == float("inf"):
+        return None
+    attempt_h = est.hours / (1.0 + b["expected_preemptions"])
+    share = startup_h / attempt_h
+    if share <= STARTUP_SHARE:
+        return None
+    su = b["startup"]
+    hint = ("use a prebuilt image (resources.image: default) instead of installing torch on every start; "
+            if not su["prebuilt_image"] and c.offer.provider not in ("local", "fake") else "")
+    return Trap("startup-dominates",
+                f"start-up ({su['total_minutes']:.1f} min on {c.offer.provider}: provisioning "
+                f"{su['provisioning_minutes']:g}, setup {su['setup_minutes']:g}, first step "
+                f"{su['first_step_minutes']:g}, compile {su['compile_minutes']:g}) is {share:.0%} of an attempt's "
+                f"expected length ({attempt_h * 60:.0f} min): {hint}"
+                + ("fewer preemptions (on-demand) or a longer run per start pay it less often"
+                   if b["expected_preemptions"] else "a job this short spends much of its money starting up"))
+
+
 _CHECKS: list[Callable[[_Ctx], Trap | list[Trap] | None]] = [
+    _startup_share,
     _fit, _fp16, _fp32_scale, _spot_interval, _warmup, _clip, _moe_balance, _tp_nodes, _heavier_rung,
     _debug_big_node,
 ]

@@ -7,9 +7,10 @@ to a final state. Nothing is rented; no trainer runs. What the node would do is 
 (:class:`SimNode`), from the same assumptions as the dry run's estimate:
 
 * start-up: the fake instance provisions for provisioning + setup minutes of the chosen
-  provider (``estimate.STARTUP_MINUTES``) — billed — then, on a resume, loads the newest
-  COMMITTED checkpoint (checkpoint bytes ÷ ``estimate.CHECKPOINT_BANDWIDTH``) and compiles
-  (``estimate.COMPILE_MINUTES`` when ``trainer.compile``);
+  provider (``estimate.startup``: the price snapshot's ``startup:`` figures, with or without a
+  prebuilt image) — billed — then, on a resume, loads the newest COMMITTED checkpoint
+  (checkpoint bytes ÷ ``estimate.CHECKPOINT_BANDWIDTH``), and warms up (first step, plus compile
+  when ``trainer.compile``);
 * training: one step every ``estimate.step_seconds`` (6 × active params × tokens per step ÷
   (GPUs × peak FLOP/s × MFU)); a checkpoint every ``every`` steps stalls the loop for
   ``estimate.checkpoint_save_seconds`` and then counts as COMMITTED;
@@ -67,6 +68,7 @@ class Model:
     save_s: float
     load_s: float
     compile_s: float
+    """First step + compile: after the node is up, before it trains."""
     provision_s: float
     """Provisioning + setup: the fake instance's ``provision_seconds`` (billed)."""
 
@@ -250,13 +252,13 @@ def prepare(spec: JobSpec, preemptions_per_hour: float | None = None, every_over
     gpus = offer.gpus_per_node * offer.nodes
     step_s = est_mod.step_seconds(spec, offer.gpu, gpus)
     every = every_override or plan.checkpoint_every_steps or est_mod.checkpoint_interval_steps(spec, rate, step_s)
-    prov_min, setup_min = est_mod.STARTUP_MINUTES.get(offer.provider, (5.0, 5.0))
-    compile_s = est_mod.COMPILE_MINUTES * 60.0 if spec.trainer.compile and offer.gpu != "cpu" else 0.0
+    su = est_mod.startup(spec, offer)  # the snapshot's figures for the chosen provider
+    compile_s = (su["compile_minutes"] + su["first_step_minutes"]) * 60.0
     model = Model(
         total_steps=spec.trainer.total_steps, step_s=step_s, every=max(1, int(every)),
         save_s=est_mod.checkpoint_save_seconds(spec),
         load_s=est_mod.checkpoint_bytes(spec) / (est_mod.CHECKPOINT_BANDWIDTH * offer.nodes),
-        compile_s=compile_s, provision_s=(prov_min + setup_min) * 60.0,
+        compile_s=compile_s, provision_s=(su["provisioning_minutes"] + su["setup_minutes"]) * 60.0,
     )
     yd = None
     if rate > 0:
@@ -394,6 +396,7 @@ def summarize(setup: Setup, results: list[RunResult]) -> dict[str, Any]:
         "step_seconds": setup.model.step_s,
         "steps": setup.model.total_steps,
         "startup_seconds": setup.model.provision_s + setup.model.compile_s,
+        "startup": est_mod.startup(setup.spec, setup.offer),
         "checkpoint_load_seconds": setup.model.load_s,
         "poll_seconds": setup.poll,
     }
