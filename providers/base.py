@@ -130,6 +130,10 @@ class LaunchRequest:
     """Physical CPU cores to request per GPU (providers that size containers: Modal)."""
     memory_gb_per_gpu: float | None = None
     """Host memory (GiB) to request per GPU (providers that size containers: Modal)."""
+    image: str | None = None
+    """Container image the node runs (``resources.image`` resolved: a registry reference with Python
+    and torch preinstalled), for providers that run one (RunPod/Vast: SkyPilot ``image_id:
+    docker:<image>``; Modal: the sandbox's base image). None: the provider's own image or VM."""
     secrets: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     """Secret environment for the bootstrap (the object store's AWS keys for an ``s3://`` run URI
     or data on a remote node). Never logged, never persisted: not in the state store, the fake

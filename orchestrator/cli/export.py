@@ -54,7 +54,13 @@ def skypilot_task(spec: JobSpec, workdir: str = ".") -> tuple[dict[str, Any], li
                 continue
             for region in (r.regions or [None]):
                 infra = cloud if region is None else f"{cloud}/{region}"
-                any_of.append({"infra": infra, "use_spot": spot})
+                entry: dict[str, Any] = {"infra": infra, "use_spot": spot}
+                from orchestrator.plan.estimate import node_image
+
+                img = node_image(spec, cloud)  # RunPod/Vast containers: the prebuilt image
+                if img:
+                    entry["image_id"] = f"docker:{img}"
+                any_of.append(entry)
     others = [p for p in r.providers if p not in SKYPILOT_CLOUDS]
     if others:
         notes.append(f"not exportable to SkyPilot: {', '.join(others)} (dtrun launches those itself)")

@@ -544,10 +544,13 @@ class Controller:
         # ``secrets`` (never logged, never stored) — nothing for a file:// run URI.
         env.update(node_env or {})
         command = [sys.executable, str(BOOTSTRAP)] if offer.provider in ON_THIS_MACHINE else list(REMOTE_COMMAND)
+        from orchestrator.plan.estimate import node_image
+
         return LaunchRequest(job=self.name, attempt=n, offer=offer, nodes=s.resources.nodes,
                              command=command, env=env, deadline=deadline,
                              workdir=str(REPO_ROOT), log_path=log_path, secrets=dict(node_secrets or {}),
-                             cpu_per_gpu=s.resources.cpu_per_gpu, memory_gb_per_gpu=s.resources.memory_gb_per_gpu)
+                             cpu_per_gpu=s.resources.cpu_per_gpu, memory_gb_per_gpu=s.resources.memory_gb_per_gpu,
+                             image=node_image(s, offer.provider))
 
     def _launch_failed(self, n: int, outcome: str, reason: str, delay: float) -> None:
         now = self.now()

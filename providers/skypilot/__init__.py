@@ -2,7 +2,9 @@
 
 One attempt = one SkyPilot cluster named ``request.instance_name`` (``dtrun-<job>-a<N>``):
 
-* **Task** (:func:`build_task_config`): ``setup`` installs the project (synced as ``workdir``),
+* **Task** (:func:`build_task_config`): ``setup`` (``infra/node_setup.py``) installs only what
+  the node lacks, then the project (synced as ``workdir``) with --no-deps; RunPod/Vast nodes run
+  ``request.image`` (``image_id: docker:<image>``: Python and the pinned torch preinstalled),
   ``run`` is the node bootstrap (it echoes ``DTRUN_EXIT_CODE=<rc>`` as its last line so a FAILED
   job can still be told apart from a clean "resume me" exit 75/76), ``envs`` = the request's env
   plus ``DTRUN_DEADLINE``, ``resources = {accelerators: "H100:8", use_spot, infra:
@@ -120,7 +122,12 @@ def run_script(command: list[str]) -> str:
             f"exit $rc\n")
 
 
-SETUP = "python -m pip install -q --upgrade pip && python -m pip install -q -e ."
+SETUP = "python infra/node_setup.py"
+"""Installs only what the node is missing (torch checked against the pin, then the other
+dependencies), then dtrun with --no-deps: seconds on a prebuilt image, minutes on a bare one."""
+IMAGE_CLOUDS = ("runpod", "vast")
+"""Clouds whose nodes are containers: ``request.image`` becomes ``image_id: docker:<image>``.
+Lambda runs VMs (its Lambda Stack image ships PyTorch); the setup step checks it."""
 
 
 def build_task_config(cloud: str, request: LaunchRequest) -> dict[str, Any]:
@@ -144,6 +151,8 @@ def build_task_config(cloud: str, request: LaunchRequest) -> dict[str, Any]:
         "envs": envs,
         "run": run_script(request.command),
     }
+    if request.image and cloud in IMAGE_CLOUDS:
+        cfg["resources"]["image_id"] = f"docker:{request.image}"
     if request.workdir:
         cfg["workdir"] = request.workdir
         cfg["setup"] = SETUP
