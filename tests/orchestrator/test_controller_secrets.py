@@ -85,7 +85,7 @@ def world(tmp_path, dtrun_home, s3_bucket, monkeypatch):
 
 
 RUNPOD = Offer("runpod", "any", "H100", 1, False, 2.0)
-MODAL = Offer("modal", "any", "H100", 1, False, 4.0)
+MODAL = Offer("modal", "any", "H100", 1, False, 6.0)  # dearer than RunPod in expected cost, start-up included
 
 
 def _launches(w) -> list:
