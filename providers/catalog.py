@@ -218,3 +218,26 @@ def startup_figures(provider: str) -> StartupFigures:
         f = max(cands, key=lambda x: x.minutes)
         worst.append(StartupFigure(f.minutes, f"{provider} has no figure: the slowest provider's ({f.source})", f.date))
     return StartupFigures(provider, *worst, compile=compile_)
+
+
+@dataclass(frozen=True)
+class PreemptionNotice:
+    """How a provider preempts: ``notice_seconds`` of grace for ``soft_fraction`` of preemptions."""
+
+    provider: str
+    notice_seconds: float
+    soft_fraction: float
+    source: str
+    date: str
+
+
+def preemption_notice(provider: str) -> PreemptionNotice:
+    """The snapshot's ``preemption:`` row for ``provider`` (unknown: hard preemptions, no notice)."""
+    row = (_snapshot().get("preemption") or {}).get(provider)
+    if not row:
+        return PreemptionNotice(provider, 0.0, 0.0, f"{provider}: no figure; assumed hard (no notice)", "")
+    frac = float(row.get("soft_fraction", 0.0))
+    if not 0.0 <= frac <= 1.0:
+        raise ValueError(f"{SNAPSHOT_PATH}: preemption.{provider}.soft_fraction must be within [0, 1]")
+    return PreemptionNotice(provider, float(row.get("notice_seconds", 0.0)), frac,
+                            str(row.get("source", "")), str(row.get("date", "")))

@@ -9,13 +9,14 @@ from typing import Any
 from orchestrator.contract.errors import EXIT_OK
 
 
-def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: int, json_out: bool) -> int:
+def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: int, json_out: bool,
+                 **opts: Any) -> int:
     import typer
 
     from orchestrator.plan.spec import load_spec
     from orchestrator.run.simulate import simulate_job
 
-    spec, out = simulate_job(load_spec(job), preemptions_per_hour, runs, seed)
+    spec, out = simulate_job(load_spec(job), preemptions_per_hour, runs, seed, **opts)
     note = out.get("note")
     if json_out:
         typer.echo(json.dumps(out, sort_keys=True, default=float))
@@ -34,7 +35,14 @@ def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: 
     typer.echo(f"  estimate    expected ${p['expected_usd']:.2f}{ratio_s}   with buffer ${p['estimate_usd']:.2f} "
                f"({'covers' if p['estimate_covers_p95'] else 'BELOW'} the p95)")
     typer.echo(f"  attempts    mean {p['attempts_mean']:.2f}   max {p['attempts_max']}   "
-               f"preemptions mean {p['preemptions_mean']:.2f}")
+               f"preemptions mean {p['preemptions_mean']:.2f} (with notice {p['soft_preemptions_mean']:.2f}, "
+               f"work saved by it {p['soft_preemptions_saved_mean']:.2f})   no capacity {p['no_capacity_mean']:.2f}")
+    typer.echo(f"  offers      {', '.join(p['offers_sold'])} (failover in this order)")
+    su = p.get("startup") or {}
+    if su:
+        typer.echo(f"  start-up    {su['total_minutes']:.1f} min per start on {su['provider']} "
+                   f"({'prebuilt image' if su['prebuilt_image'] else 'installs torch every start'}; "
+                   "figures: providers/data/prices.yaml)")
     typer.echo(f"  work lost   mean {p['work_lost_steps_mean']:.0f} steps ({p['work_lost_hours_mean'] * 60:.1f} min)")
     typer.echo(f"  goodput     mean {p['goodput_mean']:.1%}   p5 {p['goodput_p5']:.1%}   "
                f"(after start-up: {p['training_goodput_mean']:.1%})")

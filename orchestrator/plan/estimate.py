@@ -233,7 +233,15 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
     tau_h = every * step_s / 3600.0
     compile_h = (su["compile_minutes"] + su["first_step_minutes"]) / 60.0  # after the node is up
     restart_h = startup_h + load_h
-    exposure_h = tau_h / 2.0 + load_h + compile_h
+    # A soft preemption (the provider's notice, prices.yaml `preemption:`) whose emergency
+    # checkpoint fits in the notice loses no work: only the hard share loses half an interval.
+    from providers.catalog import preemption_notice
+
+    pn = preemption_notice(offer.provider)
+    emergency_s = checkpoint_bytes(spec) / (CHECKPOINT_BANDWIDTH * offer.nodes)  # a sync save
+    saved = pn.soft_fraction if 0 < emergency_s <= pn.notice_seconds else 0.0
+    lost_h = tau_h / 2.0 * (1.0 - saved)
+    exposure_h = lost_h + load_h + compile_h
     preempt_h = 0.0
     expected_preemptions = 0.0
     n95 = 0
@@ -243,7 +251,7 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
             expected_preemptions = math.inf
         else:
             expected_preemptions = rate * work_h / (1.0 - rate * exposure_h)
-            preempt_h = expected_preemptions * (restart_h + tau_h / 2.0)
+            preempt_h = expected_preemptions * (restart_h + lost_h)
             hours = base_h + preempt_h
             n95 = poisson_quantile(expected_preemptions, 0.95)
     else:
@@ -281,6 +289,8 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
         "expected_preemptions": expected_preemptions,
         "preemption_overhead_hours": preempt_h,
         "preemptions_p95": n95,
+        "preemption_notice_seconds": pn.notice_seconds,
+        "preemption_work_saved_fraction": saved,
     }
     return Estimate(hours=hours, expected_usd=expected, cost_usd=cost, buffer=b.buffer,
                     budget_usd=b.max_usd, within_budget=within, breakdown=breakdown), every

@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -53,6 +54,7 @@ from orchestrator.plan.spec import JobSpec
 
 SIM_MIN_POLL_SECONDS = 60.0
 SIM_TARGET_TICKS = 150.0
+SIM_MAX_OFFERS = 4
 # Each run's run URI is a fresh temp directory in RAM (/dev/shm) where there is one, else
 # fsspec's memory:// (a disk-backed temp directory measured 2.4x slower).
 _TMP_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -71,6 +73,8 @@ class Model:
     """First step + compile: after the node is up, before it trains."""
     provision_s: float
     """Provisioning + setup: the fake instance's ``provision_seconds`` (billed)."""
+    emergency_s: float = 0.0
+    """A synchronous (emergency) checkpoint on a preemption notice: checkpoint bytes ÷ bandwidth."""
 
 
 @dataclass
@@ -107,10 +111,16 @@ class SimNode:
 class Simulation:
     """One simulated run's node model, hooked to the virtual clock."""
 
-    def __init__(self, model: Model, cloud: Any, run_uri: str) -> None:
+    def __init__(self, model: Model, cloud: Any, run_uri: str,
+                 notice: dict[str, tuple[float, float]] | None = None, seed: int = 0) -> None:
         self.m = model
         self.cloud = cloud
         self.uri = run_uri
+        self.notice = dict(notice or {})
+        """Per fake-cloud region (one per offer): (notice seconds, share of soft preemptions)."""
+        self.seed = seed
+        self.soft = 0
+        self.soft_saved = 0
         self.nodes: dict[str, SimNode] = {}
         self.committed = 0
         self.prev: float | None = None
@@ -171,6 +181,8 @@ class Simulation:
                 self._progress(node, step, committed, done_t)
                 self._end(node, inst, done_t, step, committed, now, end_t, code=0)
                 continue
+            if end_t is not None and inst.phase == "preempted":
+                step, committed = self._notice(node, inst, end_t, step, committed)
             if committed > 0:
                 self._commit(committed)
             self._progress(node, step, committed, t)
@@ -180,6 +192,21 @@ class Simulation:
                 if inst.phase == "preempted":
                     self.preemptions += 1
                 self.lost_steps += max(0, step - committed)
+
+    def _notice(self, node: SimNode, inst: Any, end_t: float, step: int, committed: int) -> tuple[int, int]:
+        """A soft preemption (the provider's notice, for a seeded share of preemptions): the
+        trainer stops stepping at the notice and writes an emergency checkpoint; it is COMMITTED
+        when the save fits in the notice, and then nothing since the last checkpoint is lost."""
+        grace, frac = self.notice.get(inst.region, (0.0, 0.0))
+        if grace <= 0 or frac <= 0 or random.Random(f"{self.seed}:{inst.id}").random() >= frac:
+            return step, committed
+        self.soft += 1
+        at = end_t - grace
+        if at < node.train_start or grace < self.m.emergency_s:
+            return step, committed  # still starting, or the save does not fit: lost as if hard
+        s_n, _, _ = node.progress(self.m, at)
+        self.soft_saved += 1
+        return s_n, max(committed, s_n)
 
     def _progress(self, node: SimNode, step: int, committed: int, t: float) -> None:
         runuri.write_json(runuri.join(self.uri, runuri.PROGRESS),
@@ -213,6 +240,10 @@ class RunResult:
     attempts: int
     preemptions: int
     lost_steps: int
+    soft_preemptions: int
+    soft_saved: int
+    no_capacity: int
+    offers_used: int
     paid_s: float
     useful_s: float
     trained_paid_s: float
@@ -235,12 +266,28 @@ class Setup:
     offer: Any
     young_daly_every: int | None
     user_every: int | str
+    offers: list[Any] = field(default_factory=list)
+    """The plan's offers the fake cloud sells, in the plan's order (failover as the controller does)."""
+    regions: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per fake-cloud region (one per offer): provision_s, notice_s, soft_fraction."""
+    no_capacity: float = 0.0
     fields: dict[str, Any] = field(default_factory=dict)
 
 
+def _region(o: Any) -> str:
+    """The fake-cloud region standing for one real offer."""
+    return f"{o.provider}/{o.region}/{'spot' if o.spot else 'on-demand'}"
+
+
 def prepare(spec: JobSpec, preemptions_per_hour: float | None = None, every_override: int | None = None,
-            plan: Any = None) -> Setup:
-    """The plan for the real providers, and the fake-cloud spec and node model that mirror it."""
+            plan: Any = None, no_capacity: float = 0.0, notice_seconds: float | None = None,
+            soft_fraction: float | None = None) -> Setup:
+    """The plan for the real providers, and the fake-cloud spec and node model that mirror it.
+
+    The fake cloud sells the plan's first ``SIM_MAX_OFFERS`` offers (price, spot or not, each
+    with its provider's provisioning + setup figures and preemption notice); a launch finds no
+    capacity with probability ``no_capacity`` (seeded), and the controller fails over between
+    them exactly as it would between real providers."""
     rate_for_plan = preemptions_per_hour
     if plan is None:
         plan = est_mod.make_plan(spec, preemptions_per_hour=rate_for_plan)
@@ -272,8 +319,27 @@ def prepare(spec: JobSpec, preemptions_per_hour: float | None = None, every_over
         "poll_seconds": poll, "heartbeat_timeout_seconds": max(spec.recovery.heartbeat_timeout_seconds, 3 * poll)})
     ck = spec.checkpoint.model_copy(update={"uri": "file:///nonexistent/dtrun-sim", "every_steps": model.every})
     sim_spec = spec.model_copy(update={"resources": r, "recovery": rec, "checkpoint": ck})
+    offers = list(plan.offers[:SIM_MAX_OFFERS]) or [offer]
+    if offer not in offers:
+        offers = [offer] + offers[:-1]
+    regions: dict[str, dict[str, float]] = {}
+    from providers.catalog import preemption_notice
+
+    for o in offers:
+        so = est_mod.startup(spec, o)
+        pn = preemption_notice(o.provider)
+        regions[_region(o)] = {
+            "provision_s": (so["provisioning_minutes"] + so["setup_minutes"]) * 60.0,
+            "notice_s": pn.notice_seconds if notice_seconds is None else notice_seconds,
+            "soft_fraction": pn.soft_fraction if soft_fraction is None else soft_fraction,
+        }
+    if len({bool(o.spot) for o in offers}) > 1:
+        sim_spec = sim_spec.model_copy(update={"resources": sim_spec.resources.model_copy(update={"spot": "prefer"})})
+    model = Model(**{**model.__dict__, "emergency_s": est_mod.checkpoint_bytes(spec) / (
+        est_mod.CHECKPOINT_BANDWIDTH * offer.nodes)})
     return Setup(spec=spec, sim_spec=sim_spec, plan=plan, model=model, rate=rate, poll=poll, offer=offer,
-                 young_daly_every=yd, user_every=spec.checkpoint.every_steps)
+                 young_daly_every=yd, user_every=spec.checkpoint.every_steps, offers=offers, regions=regions,
+                 no_capacity=no_capacity, fields={"spot_rate": est_mod.preemption_rate(spec, preemptions_per_hour)})
 
 
 def run_once(setup: Setup, index: int, seed: int, max_ticks: int = 20000) -> RunResult:
@@ -283,13 +349,31 @@ def run_once(setup: Setup, index: int, seed: int, max_ticks: int = 20000) -> Run
     from providers import registry
     from providers.fake import FakeOfferTemplate, FakeProvider
 
+    from providers import errors as perr
+
     m, offer = setup.model, setup.offer
     clock = VirtualClock()
-    cloud = FakeProvider(
+    regions = setup.regions
+    cap_rng = random.Random(f"capacity:{seed}:{index}")
+    refused = [0]
+
+    class SimCloud(FakeProvider):
+        """The fake cloud selling the plan's offers: each launch provisions for its offer's
+        provider figures, and finds no capacity with probability ``setup.no_capacity``."""
+
+        def launch(self, request: Any) -> Any:
+            if setup.no_capacity > 0 and cap_rng.random() < setup.no_capacity:
+                refused[0] += 1
+                raise perr.NoCapacity(f"simulated: no capacity for {request.offer.key()}", provider="fake")
+            prov = regions.get(request.offer.region, {}).get("provision_s", m.provision_s)
+            self.configure(provision_seconds=prov)
+            return super().launch(request)
+
+    cloud = SimCloud(
         clock=clock,
-        offers=[FakeOfferTemplate(offer.region, offer.gpu, bool(offer.spot), offer.price_per_gpu_hour)],
+        offers=[FakeOfferTemplate(_region(o), o.gpu, bool(o.spot), o.price_per_gpu_hour) for o in setup.offers],
         provision_seconds=m.provision_s, autodown_seconds=setup.spec.recovery.poll_seconds, terminate_seconds=0.0,
-        preemptions_per_hour=setup.rate, seed=seed * 1_000_003 + index,
+        preemptions_per_hour=setup.fields.get("spot_rate", setup.rate), seed=seed * 1_000_003 + index,
         max_gpus_per_node=max(8, offer.gpus_per_node),
     )
     if _TMP_DIR is not None:
@@ -300,7 +384,8 @@ def run_once(setup: Setup, index: int, seed: int, max_ticks: int = 20000) -> Run
         uri = f"memory://dtrun-sim/{os.getpid()}/{setup.spec.name}/{seed}-{index}"
     ck = setup.sim_spec.checkpoint.model_copy(update={"uri": uri})
     spec = setup.sim_spec.model_copy(update={"checkpoint": ck})
-    sim = Simulation(m, cloud, uri)
+    sim = Simulation(m, cloud, uri, notice={k: (v["notice_s"], v["soft_fraction"]) for k, v in regions.items()},
+                     seed=seed * 1_000_003 + index)
     clock.on_advance.append(sim.hook)
     store = StateStore(":memory:")
     registry.register("fake", cloud)
@@ -343,6 +428,8 @@ def run_once(setup: Setup, index: int, seed: int, max_ticks: int = 20000) -> Run
     useful = m.total_steps * m.step_s if state == "SUCCEEDED" else sim.committed * m.step_s
     return RunResult(state=state, reason=str(job.get("reason") or ""), wall_s=end - t0, cost_usd=cost,
                      booked_usd=booked, attempts=attempts, preemptions=sim.preemptions, lost_steps=sim.lost_steps,
+                     soft_preemptions=sim.soft, soft_saved=sim.soft_saved, no_capacity=refused[0],
+                     offers_used=len({i.region for i in cloud.instances()}),
                      paid_s=paid, useful_s=useful, trained_paid_s=trained_paid, orphan_s=orphan,
                      steps=m.total_steps if state == "SUCCEEDED" else sim.committed)
 
@@ -371,6 +458,16 @@ def summarize(setup: Setup, results: list[RunResult]) -> dict[str, Any]:
         "attempts_mean": statistics.fmean(r.attempts for r in results) if results else None,
         "attempts_max": max(r.attempts for r in results) if results else None,
         "preemptions_mean": statistics.fmean(r.preemptions for r in results) if results else None,
+        "soft_preemptions_mean": statistics.fmean(r.soft_preemptions for r in results) if results else None,
+        "soft_preemptions_saved_mean": statistics.fmean(r.soft_saved for r in results) if results else None,
+        "no_capacity_mean": statistics.fmean(r.no_capacity for r in results) if results else None,
+        "failed_runs": sum(1 for r in results if r.state == "FAILED"),
+        "runs_with_failover": sum(1 for r in results if r.offers_used > 1),
+        "failed_reasons": sorted({r.reason.splitlines()[0] for r in results if r.state == "FAILED"})[:5],
+        "offers_sold": [o.key() for o in setup.offers],
+        "no_capacity_rate": setup.no_capacity,
+        "preemption_notice": {k: {"notice_seconds": v["notice_s"], "soft_fraction": v["soft_fraction"]}
+                              for k, v in setup.regions.items()},
         "work_lost_steps_mean": statistics.fmean(r.lost_steps for r in results) if results else None,
         "work_lost_hours_mean": (statistics.fmean(r.lost_steps for r in results) * setup.model.step_s / 3600.0
                                  if results else None),
@@ -403,14 +500,23 @@ def summarize(setup: Setup, results: list[RunResult]) -> dict[str, Any]:
 
 
 def simulate(spec: JobSpec, preemptions_per_hour: float | None = None, runs: int = 200, seed: int = 0,
-             every_override: int | None = None, plan: Any = None) -> dict[str, Any]:
-    """Run the controller ``runs`` times on the fake cloud; the summary dict (see ``--json``)."""
+             every_override: int | None = None, plan: Any = None, **opts: Any) -> dict[str, Any]:
+    """Run the controller ``runs`` times on the fake cloud; the summary dict (see ``--json``).
+    ``opts``: ``no_capacity``, ``notice_seconds``, ``soft_fraction`` (see :func:`prepare`)."""
     if runs <= 0:
         raise UsageError("--runs must be a positive number of runs")
     if preemptions_per_hour is not None and preemptions_per_hour < 0:
         raise UsageError("--preemptions-per-hour must be ≥ 0")
+    nc = opts.get("no_capacity") or 0.0
+    if not 0.0 <= nc < 1.0:
+        raise UsageError("--no-capacity must be a probability in [0, 1)")
+    sf = opts.get("soft_fraction")
+    if sf is not None and not 0.0 <= sf <= 1.0:
+        raise UsageError("--soft-fraction must be within [0, 1]")
+    if (opts.get("notice_seconds") or 0.0) < 0:
+        raise UsageError("--notice-seconds must be ≥ 0")
     t = time.perf_counter()
-    setup = prepare(spec, preemptions_per_hour, every_override, plan)
+    setup = prepare(spec, preemptions_per_hour, every_override, plan, **opts)
     results = [run_once(setup, i, seed) for i in range(runs)]
     out = summarize(setup, results)
     out["elapsed_s"] = time.perf_counter() - t
@@ -418,17 +524,17 @@ def simulate(spec: JobSpec, preemptions_per_hour: float | None = None, runs: int
 
 
 def compare_young_daly(spec: JobSpec, base: dict[str, Any], preemptions_per_hour: float | None, runs: int,
-                       seed: int) -> dict[str, Any] | None:
+                       seed: int, **opts: Any) -> dict[str, Any] | None:
     """The same runs (same seeds) with the Young/Daly interval, when the user set another one."""
     yd = base.get("young_daly_every_steps")
     if not yd or yd == base["checkpoint_every_steps"]:
         return None
-    other = simulate(spec, preemptions_per_hour, runs, seed, every_override=int(yd))
+    other = simulate(spec, preemptions_per_hour, runs, seed, every_override=int(yd), **opts)
     return {k: other[k] for k in ("checkpoint_every_steps", "cost_usd_mean", "cost_usd_p95", "goodput_mean",
                                   "wall_hours_mean", "work_lost_steps_mean")}
 
 
-def simulate_job(spec: JobSpec, preemptions_per_hour: float | None, runs: int, seed: int
+def simulate_job(spec: JobSpec, preemptions_per_hour: float | None, runs: int, seed: int, **opts: Any
                  ) -> tuple[JobSpec, dict[str, Any]]:
     """``dtrun simulate``'s question for a spec: the runs, the Young/Daly comparison, and a note when
     the question changed the spec (``spot: prefer`` with a preemption rate simulates spot)."""
@@ -440,8 +546,8 @@ def simulate_job(spec: JobSpec, preemptions_per_hour: float | None, runs: int, s
         if est_mod.make_plan(spot_spec, preemptions_per_hour=preemptions_per_hour).chosen is not None:
             spec = spot_spec
             note = "resources.spot: prefer with --preemptions-per-hour: simulating the cheapest spot offer"
-    out = simulate(spec, preemptions_per_hour, runs, seed)
-    out["young_daly"] = compare_young_daly(spec, out, preemptions_per_hour, runs, seed)
+    out = simulate(spec, preemptions_per_hour, runs, seed, **opts)
+    out["young_daly"] = compare_young_daly(spec, out, preemptions_per_hour, runs, seed, **opts)
     if note:
         out["note"] = note
     return spec, out

@@ -173,3 +173,31 @@ def test_prefer_with_a_rate_simulates_the_spot_offer(capsys):
     assert out["offer"].endswith("/spot")
     assert out["preemptions_per_hour"] == 2.0 and out["preemptions_mean"] > 0
     assert "spot" in out["note"]
+
+
+def _rented(**over):
+    d = _spec(resources={"providers": ["runpod", "vast"], "spot": True},
+              checkpoint={"uri": "s3://b/{name}", "every_steps": 400}, **over)
+    return parse_spec(d)
+
+
+def test_simulate_fails_over_between_offers_when_capacity_runs_out(monkeypatch, tmp_path):
+    monkeypatch.setenv("DTRUN_SKY_CATALOG_DIR", str(tmp_path / "none"))
+    out = simulate(_rented(), preemptions_per_hour=1.0, runs=12, seed=3, no_capacity=0.5)
+    assert len(out["offers_sold"]) >= 2 and out["no_capacity_mean"] > 0
+    assert out["runs_with_failover"] > 0  # the controller moved to the next offer, as it would
+    assert out["states"] == {"SUCCEEDED": 12} and out["orphan_instance_seconds"] == 0
+    base = simulate(_rented(), preemptions_per_hour=1.0, runs=12, seed=3)
+    assert base["runs_with_failover"] == 0 and base["no_capacity_mean"] == 0
+
+
+def test_soft_preemptions_with_enough_notice_lose_no_work(monkeypatch, tmp_path):
+    monkeypatch.setenv("DTRUN_SKY_CATALOG_DIR", str(tmp_path / "none"))
+    hard = simulate(_rented(), preemptions_per_hour=2.0, runs=10, seed=5, soft_fraction=0.0)
+    soft = simulate(_rented(), preemptions_per_hour=2.0, runs=10, seed=5, notice_seconds=120, soft_fraction=1.0)
+    assert hard["preemptions_mean"] > 0 and hard["work_lost_steps_mean"] > 0 and hard["soft_preemptions_mean"] == 0
+    assert soft["soft_preemptions_mean"] == pytest.approx(soft["preemptions_mean"])
+    assert soft["work_lost_steps_mean"] < 0.2 * hard["work_lost_steps_mean"]
+    # a notice too short for the emergency checkpoint saves nothing
+    short = simulate(_rented(), preemptions_per_hour=2.0, runs=10, seed=5, notice_seconds=0.1, soft_fraction=1.0)
+    assert short["soft_preemptions_saved_mean"] == 0
