@@ -20,6 +20,12 @@ Measured 2026-11-29 on the 2-core dev box (load ~6), 200 runs, seed 0, vast/H100
   The goodput target cannot be met by this job: it computes for 39 min and every start pays
   10 min (4 provisioning + 5 setup + 1 compile), so even a run with no preemption is at 79.7 %.
 
+Re-measured 2026-12-01 with the snapshot's start-up figures (vast, prebuilt image: 6 min a start):
+  expected $13.28 vs mean $13.37, buffered $17.33 ≥ p95 $15.85, goodput 79.4 %, 0 orphans.
+``--scenario long``, 200 runs, 2026-12-01: prebuilt image 200/200 SUCCEEDED, goodput 0.878,
+  expected $218.03 vs mean $218.37, buffered $261.64 ≥ p95 $229.36, 0 orphans; reinstall on
+  every start: goodput 0.817, mean $235.04. (README, Benchmarks.)
+
 Usage: python benchmarks/bench_simulate.py [--runs 200] [--rate 1.0] [--seed 0] [--job PATH]
        python benchmarks/bench_simulate.py --scenario long [--runs 200]
 Prints one JSON object.
