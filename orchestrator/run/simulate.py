@@ -539,6 +539,16 @@ def simulate_job(spec: JobSpec, preemptions_per_hour: float | None, runs: int, s
     """``dtrun simulate``'s question for a spec: the runs, the Young/Daly comparison, and a note when
     the question changed the spec (``spot: prefer`` with a preemption rate simulates spot)."""
     note = None
+    if spec.trainer.parallel == "auto":
+        # What the nodes would run (auto's layout, micro-batch and checkpointing: recompute is
+        # priced), as `dtrun up` does; the smallest plan even when none fits (the dry run refuses that).
+        from orchestrator.contract.errors import SpecError
+        from orchestrator.plan.planner import resolve_parallel
+
+        try:
+            spec = resolve_parallel(spec, force=True)
+        except SpecError:
+            pass
     if preemptions_per_hour is not None and spec.resources.spot == "prefer":
         # The user asks what spot at this rate would do: simulate the spot side of "prefer"
         # (the plan alone may rank on-demand first, where a preemption rate means nothing).
