@@ -543,6 +543,8 @@ class Controller:
         # environment; a remote node gets the endpoint/region here and the AWS keys in
         # ``secrets`` (never logged, never stored) — nothing for a file:// run URI.
         env.update(node_env or {})
+        if os.environ.get("DTRUN_PIP_CACHE_DIR"):  # wheels kept on a volume across nodes (infra/node_setup.py)
+            env["DTRUN_PIP_CACHE_DIR"] = os.environ["DTRUN_PIP_CACHE_DIR"]
         command = [sys.executable, str(BOOTSTRAP)] if offer.provider in ON_THIS_MACHINE else list(REMOTE_COMMAND)
         from orchestrator.plan.estimate import node_image
 

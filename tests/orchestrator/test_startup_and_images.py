@@ -191,3 +191,10 @@ def test_node_setup_installs_only_what_is_missing(tmp_path):
     need = json.loads(out.stdout.strip().splitlines()[-1])
     assert need["torch"] is None and f"torch=={need['torch_pin']}" in need["installed"]
     assert any(x.startswith("pydantic") for x in need["installed"])
+
+
+def test_pip_cache_dir_reaches_the_node_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTRUN_PIP_CACHE_DIR", "/workspace/pip-cache")
+    assert _controller_request(tmp_path, "runpod").env["DTRUN_PIP_CACHE_DIR"] == "/workspace/pip-cache"
+    monkeypatch.delenv("DTRUN_PIP_CACHE_DIR")
+    assert "DTRUN_PIP_CACHE_DIR" not in _controller_request(tmp_path, "runpod").env
