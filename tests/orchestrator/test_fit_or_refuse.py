@@ -154,3 +154,47 @@ def test_auto_plan_order_and_pins():
     d["trainer"]["parallel"] = "auto"
     p = planner.auto_plan(parse_spec(d))
     assert p.strategy == "ddp" and p.micro_batch_size == 64 and p.auto["changed"] == []
+
+
+def test_force_really_rents_on_the_fake_cloud_and_the_node_gets_the_forced_plan(tmp_path, monkeypatch, capsys):
+    """`dtrun up --force --detach` end to end against the file-shared fake cloud (no real provider
+    runs offline): a detached controller rents a node; job.yaml carries auto's smallest plan."""
+    import time
+
+    from orchestrator.contract import runuri
+    from orchestrator.run.state import StateStore
+    from providers.fake import FakeProvider
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("DTRUN_HOME", str(home))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    data = yaml.safe_load(llama_job(tmp_path, activation_checkpointing="none").read_text())
+    data["resources"] = {"providers": ["fake"], "gpu": "H100", "gpus_per_node": 8, "spot": False}
+    data["checkpoint"]["uri"] = f"file://{tmp_path}/run"
+    data["recovery"] = {"poll_seconds": 0.2}
+    f = tmp_path / "forced.yaml"
+    f.write_text(yaml.safe_dump(data))
+    cloud = FakeProvider(path=home / "fake-cloud.json", provision_seconds=3600)
+    assert main(["up", str(f), "--yes", "--detach"]) == 4
+    assert cloud.instances() == []
+    capsys.readouterr()
+    assert main(["up", str(f), "--yes", "--detach", "--force"]) == 0
+    assert "out-of-memory" in capsys.readouterr().err
+    store = StateStore()
+    try:
+        deadline = time.time() + 60
+        while not cloud.instances() and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(cloud.instances()) == 1  # rented
+        sent = yaml.safe_load(runuri.read_text(runuri.join(f"file://{tmp_path}/run", "job.yaml")))["trainer"]
+        assert sent["activation_checkpointing"] == "none" and sent["micro_batch_size"] == 64
+        assert sent["parallel"]["tp"] == 8  # the smallest plan auto found (157 GB: it will OOM, as warned)
+    finally:
+        store.request_action(data["name"], "stop_now")
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            row = store.get_job(data["name"])
+            if row and row["state"] in ("CANCELLED", "FAILED", "SUCCEEDED") and not StateStore.controller_alive(row):
+                break
+            time.sleep(0.2)
+    assert all(i.gone_at is not None for i in cloud.instances())
