@@ -138,37 +138,24 @@ def test_own_image_and_none(tmp_path):
 
 
 def test_node_image_is_the_modal_base_image(tmp_path, monkeypatch):
-    """The real ModalAPI builds the image from the request's image (the SDK's image constructors
-    are replaced by recorders that return real, lazy modal.Image objects; no network)."""
+    """The controller's request image becomes the Modal sandbox's base image (the real adapter's
+    SandboxSpec, and the real SDK's lazy image built from that registry reference; no network)."""
     import modal
 
     from providers.modal import ModalProvider
-    from providers.modal.api import ModalAPI
+    from providers.modal.api import ModalAPI, build_image
 
-    seen = {}
-    real_slim = modal.Image.debian_slim
-
-    def from_registry(tag, *a, **kw):
-        seen["registry"] = tag
-        return real_slim()
-
-    monkeypatch.setattr(modal.Image, "from_registry", staticmethod(from_registry))
-    monkeypatch.setattr(modal.App, "lookup", staticmethod(lambda name, create_if_missing: "app"))
-
-    class SB:
-        object_id = "sb-1"
-
-    def create(*args, **kw):
-        seen["image"] = kw["image"]
-        return SB()
-
-    monkeypatch.setattr(modal.Sandbox, "create", staticmethod(create))
-    monkeypatch.setenv("MODAL_TOKEN_ID", "i")
-    monkeypatch.setenv("MODAL_TOKEN_SECRET", "s")
     req = _controller_request(tmp_path, "modal")
     assert req.image == DEFAULT_NODE_IMAGE
-    ModalProvider(ModalAPI(), home=tmp_path).launch(req)
-    assert seen["registry"] == DEFAULT_NODE_IMAGE and isinstance(seen["image"], modal.Image)
+    spec = ModalProvider(ModalAPI(), home=tmp_path).sandbox_spec(req)
+    assert spec.base_image == DEFAULT_NODE_IMAGE
+    seen = []
+    real = modal.Image.from_registry
+    monkeypatch.setattr(modal.Image, "from_registry",
+                        staticmethod(lambda tag, *a, **kw: seen.append(tag) or real(tag, *a, **kw)))
+    assert isinstance(build_image(None, spec.base_image), modal.Image) and seen == [DEFAULT_NODE_IMAGE]
+    none = ModalProvider(ModalAPI(), home=tmp_path).sandbox_spec(_controller_request(tmp_path, "modal", image="none"))
+    assert none.base_image is None
 
 
 def test_node_setup_installs_only_what_is_missing(tmp_path):
