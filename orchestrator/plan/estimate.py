@@ -147,6 +147,11 @@ def node_image(spec: JobSpec, provider: str) -> str | None:
     img = spec.resources.image
     if provider not in IMAGE_PROVIDERS or img == "none":
         return None
+    if img == "default" and provider == "modal":
+        # Modal builds its own layered image once (debian-slim, torch for Modal's driver, the
+        # dependencies, the code) and caches every layer: already "prebuilt", and smaller than
+        # building on the PyTorch image, which would add a second torch. A named image is the base.
+        return None
     return DEFAULT_NODE_IMAGE if img == "default" else img
 
 

@@ -63,8 +63,8 @@ class Resources(_Model):
     image: str = "default"
     """Container image with Python and torch preinstalled for nodes that run one (RunPod and Vast:
     SkyPilot ``image_id: docker:<image>``; Modal: the sandbox's base image). ``default``: the
-    official PyTorch image matching the pinned torch; ``none``: the provider's bare image, and every
-    start installs torch (slow). Lambda runs its VM image's PyTorch either way; the node's setup
+    official PyTorch image matching the pinned torch (on Modal: Modal's own cached layered build);
+    ``none``: the provider's bare image, and every start installs torch (slow). Lambda runs its VM image's PyTorch either way; the node's setup
     step installs only what is missing."""
 
     @field_validator("gpu")

@@ -145,17 +145,20 @@ def test_node_image_is_the_modal_base_image(tmp_path, monkeypatch):
     from providers.modal import ModalProvider
     from providers.modal.api import ModalAPI, build_image
 
-    req = _controller_request(tmp_path, "modal")
-    assert req.image == DEFAULT_NODE_IMAGE
+    mine = "nvcr.io/nvidia/pytorch:25.01-py3"
+    req = _controller_request(tmp_path, "modal", image=mine)
+    assert req.image == mine
     spec = ModalProvider(ModalAPI(), home=tmp_path).sandbox_spec(req)
-    assert spec.base_image == DEFAULT_NODE_IMAGE
+    assert spec.base_image == mine
     seen = []
     real = modal.Image.from_registry
     monkeypatch.setattr(modal.Image, "from_registry",
                         staticmethod(lambda tag, *a, **kw: seen.append(tag) or real(tag, *a, **kw)))
-    assert isinstance(build_image(None, spec.base_image), modal.Image) and seen == [DEFAULT_NODE_IMAGE]
-    none = ModalProvider(ModalAPI(), home=tmp_path).sandbox_spec(_controller_request(tmp_path, "modal", image="none"))
-    assert none.base_image is None
+    assert isinstance(build_image(None, spec.base_image), modal.Image) and seen == [mine]
+    # default: Modal's own cached layered build (debian-slim + torch for its driver), no second torch
+    for image in ("default", "none"):
+        req = _controller_request(tmp_path, "modal", image=image)
+        assert ModalProvider(ModalAPI(), home=tmp_path).sandbox_spec(req).base_image is None
 
 
 def test_node_setup_installs_only_what_is_missing(tmp_path):
