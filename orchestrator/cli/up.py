@@ -92,6 +92,10 @@ def _memory_and_traps(spec: JobSpec, plan: Plan, offer_rows: list[dict[str, Any]
     gpu = plan.chosen.gpu if plan.chosen else spec.resources.gpu
     mem, why = planner.fit_check(spec, gpu=gpu)
     out["plan"] = mem.to_dict()
+    if spec.trainer.parallel != "auto" and gpu == spec.resources.gpu:
+        mine = planner.evaluate_spec_parallel(spec)  # what the nodes will run: the degrees you wrote
+        if mine is not None:
+            out["plan"]["spec_parallel"] = mine.to_dict()
     out["fits_memory"] = why is None
     out["does_not_fit"] = why
     # Which offers fit: the memory plan per distinct (GPU, GPUs per node, nodes) of the offers.
@@ -173,10 +177,16 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
         ok = report.get("fits_memory", mem.get("fits"))
         fit = "fits" if ok else "does NOT fit"
         auto = mem.get("auto") or {}
-        con.print(f"[bold]Memory:[/] {mem.get('strategy')}, micro-batch {mem.get('micro_batch_size')}, "
-                  f"activation checkpointing {mem.get('activation_checkpointing')} → "
-                  f"{mem.get('memory_per_gpu_gb', 0):.1f} GB per GPU ({fit})"
-                  + (f"; auto chose {'; '.join(auto['changed'])}" if auto.get("changed") else ""))
+        sp = mem.get("spec_parallel")
+        if sp:
+            con.print(f"[bold]Memory:[/] your trainer.parallel ({sp['strategy']}) → {sp['memory_per_gpu_gb']:.1f} GB "
+                      f"per GPU ({'fits' if sp['fits'] else 'does NOT fit'}); the planner's pick would be "
+                      f"{mem.get('strategy')} at {mem.get('memory_per_gpu_gb', 0):.1f} GB")
+        else:
+            con.print(f"[bold]Memory:[/] {mem.get('strategy')}, micro-batch {mem.get('micro_batch_size')}, "
+                      f"activation checkpointing {mem.get('activation_checkpointing')} → "
+                      f"{mem.get('memory_per_gpu_gb', 0):.1f} GB per GPU ({fit})"
+                      + (f"; auto chose {'; '.join(auto['changed'])}" if auto.get("changed") else ""))
         if report.get("does_not_fit"):
             con.print(f"[red]Does not fit:[/] {report['does_not_fit']}")
     for trap in report.get("traps", []):

@@ -81,8 +81,13 @@ def test_pinned_settings_that_do_not_fit_exit_4_with_reason_and_suggestions(caps
 
 
 def test_explicit_degrees_that_do_not_fit_exit_4(capsys, tmp_path):
-    rc, out = dry(capsys, llama_job(tmp_path, parallel={"dp_shard": 8}, activation_checkpointing="none"))
+    f = llama_job(tmp_path, parallel={"dp_shard": 8}, activation_checkpointing="none")
+    rc, out = dry(capsys, f)
     assert rc == 4 and "needs" in out["does_not_fit"]
+    sp = out["plan"]["spec_parallel"]
+    assert sp["strategy"] == "fsdp-zero3" and sp["fits"] is False and sp["memory_per_gpu_gb"] > 80
+    assert main(["up", str(f), "--dry-run"]) == 4
+    assert "your trainer.parallel (fsdp-zero3)" in capsys.readouterr().out
 
 
 def test_force_turns_the_refusal_into_a_warning(capsys, tmp_path):
