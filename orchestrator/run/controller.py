@@ -13,6 +13,12 @@ pending ``dtrun down`` request from the state store, poll the provider, read ``p
 acts on it (launch, terminate), so a controller killed at any point can be restarted
 (``dtrun up`` of the same job) and re-attaches to the nodes it finds recorded there.
 
+``provider.launch`` runs in a worker thread (:class:`LaunchInFlight`): provisioning takes
+minutes on a real cloud and the loop keeps ticking meanwhile — the budget guard (the attempt is
+billed from its launch request on), the deadline, ``recovery.max_recovery_minutes``, STOP and
+``dtrun down`` all act. Cancelling an in-flight launch terminates what it created (found by the
+attempt's deterministic instance name through ``provider.list_owned``), confirmed like any node.
+
 A node is recorded terminated only when ``provider.terminate`` returns (the provider confirmed
 it gone); ``TerminateNotConfirmed`` and ``Transient`` are retried every tick until it does.
 
@@ -26,6 +32,7 @@ import json
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,7 +45,7 @@ from orchestrator.run.recovery import FailoverStrategy, counted_attempts, preemp
 from orchestrator.plan.spec import JobSpec, spec_to_yaml
 from orchestrator.run.state import ACTIVE_STATES, HOST, TERMINAL_STATES, StateStore, dtrun_home
 from providers import errors as perr
-from providers.base import Handle, LaunchRequest, NodeState, Offer, Provider, Requirements
+from providers.base import Handle, LaunchRequest, NodeState, Offer, OwnedInstance, Provider, Requirements
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BOOTSTRAP = REPO_ROOT / "infra" / "node_bootstrap.py"
@@ -88,11 +95,94 @@ def resolved_spec(spec: JobSpec) -> JobSpec:
     return spec.model_copy(update={"checkpoint": ck})
 
 
+LAUNCH_WAIT_CAP_SECONDS = 30.0
+"""The tick that starts a launch waits for it up to one poll interval (at most this many real
+seconds), so a quick launch is recorded in the same tick; a slower one keeps running in its
+thread while the loop goes on ticking (the guard acts within one tick either way)."""
+ABANDON_TERMINATE_TRIES = 10
+
+
+class LaunchInFlight:
+    """One ``provider.launch(request)`` running in a worker thread, off the controller's loop.
+
+    While it runs, the controller keeps ticking: the budget guard (with the attempt's price
+    billed from the launch request on), the deadline, ``recovery.max_recovery_minutes``, STOP
+    and ``dtrun down`` all act. Cancelling it does not interrupt the SDK call (no SDK offers
+    that for every provider); instead the controller finds what the launch has created so far
+    by its deterministic name (``request.instance_name``, via ``provider.list_owned``) and
+    terminates it through the ordinary node path, and the worker terminates whatever the
+    launch returns after it was abandoned. Nothing here is provider-specific.
+    """
+
+    def __init__(self, provider: Provider, request: LaunchRequest, price_per_hour: float, t0: float) -> None:
+        self.provider = provider
+        self.request = request
+        self.n = request.attempt
+        self.offer = request.offer
+        self.price_per_hour = price_per_hour
+        self.t0 = t0
+        self.handle: Handle | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.cancelled_at: float | None = None
+        self.adopted: set[str] = set()
+        """Instance ids the controller found (list_owned) and recorded as this attempt's nodes."""
+        self.abandoned = False
+        self.cleanup_error: str | None = None
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name=f"dtrun-launch-{request.instance_name}",
+                                       daemon=True)
+
+    def start(self) -> "LaunchInFlight":
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            handle = self.provider.launch(self.request)
+        except BaseException as e:  # noqa: BLE001 - handed to the controller's thread
+            with self._lock:
+                self.error = e
+                self.done.set()
+            return
+        with self._lock:
+            self.handle = handle
+            self.done.set()
+            abandoned = self.abandoned
+        if abandoned:
+            self._terminate_late(handle)
+
+    def abandon(self) -> None:
+        """The controller stops waiting: whatever the launch still returns, the worker ends it."""
+        with self._lock:
+            self.abandoned = True
+            handle = self.handle if self.done.is_set() else None
+        if handle is not None and handle.instance_id not in self.adopted:
+            self._terminate_late(handle)
+
+    def _terminate_late(self, handle: Handle) -> None:
+        import time as _time
+
+        for i in range(ABANDON_TERMINATE_TRIES):
+            try:
+                self.provider.terminate(handle)
+                return
+            except perr.ProviderError as e:
+                self.cleanup_error = f"{type(e).__name__}: {e}"
+                _time.sleep(min(5.0, 0.1 * 2 ** i))
+
+    def matches(self, inst: OwnedInstance) -> bool:
+        """``inst`` was created by this launch (its name, or its name plus a per-node suffix)."""
+        name = self.request.instance_name
+        return inst.name == name or inst.name.startswith(name + "-")
+
+
 class Controller:
     def __init__(self, spec: JobSpec, store: StateStore, clock: Clock | None = None,
                  providers: dict[str, Provider] | None = None, *, plan: Any = None,
                  spec_path: str | None = None, on_event: Callable[[str, str], None] | None = None,
-                 stop_grace_seconds: float | None = None, write_lease: bool = True) -> None:
+                 stop_grace_seconds: float | None = None, write_lease: bool = True,
+                 launch_wait_seconds: float | None = None) -> None:
         self.spec = resolved_spec(spec)
         self.store = store
         self.clock: Clock = clock or RealClock()
@@ -119,6 +209,9 @@ class Controller:
         # A launch that raised may still have created (and be billing for) its instance: the
         # orphan sweep runs again before the next launch and before the job ends.
         self._sweep_due = False
+        self.launch_wait = (launch_wait_seconds if launch_wait_seconds is not None
+                            else min(self.poll, LAUNCH_WAIT_CAP_SECONDS))
+        self.inflight: LaunchInFlight | None = None
 
     # ---- helpers -------------------------------------------------------------------------------
     def provider(self, name: str) -> Provider:
@@ -383,7 +476,10 @@ class Controller:
         if state == "PENDING":
             self._launch(now)
         elif state in ("PROVISIONING", "RUNNING"):
-            self._watch(now)
+            if self.inflight is not None:
+                self._launch_in_flight(now)
+            else:
+                self._watch(now)
         elif state == "RECOVERING":
             self._recover(now)
         if self.state == "STOPPING":
@@ -396,7 +492,22 @@ class Controller:
             self.store.book_spend(self.name, row["attempt"], now)
 
     def burn_per_hour(self) -> float:
-        return sum(r["price_per_hour"] for r in self.store.open_spend_rows(self.name))
+        """USD/h billing now: open spend rows, plus a launch in flight (billed from its request)."""
+        burn = sum(r["price_per_hour"] for r in self.store.open_spend_rows(self.name))
+        inf = self.inflight
+        if inf is not None and not inf.adopted:
+            burn += inf.price_per_hour
+        return burn
+
+    def spent(self, now: float | None = None) -> float:
+        """USD booked, plus what a launch still in flight has cost since its request (its instance
+        may already exist and bill; its spend row opens only once it is recorded)."""
+        total = self.store.spend_total(self.name)
+        inf = self.inflight
+        if inf is not None and not inf.adopted:
+            t = self.now() if now is None else now
+            total += inf.price_per_hour * max(0.0, t - inf.t0) / 3600.0
+        return total
 
     def _renew_lease(self, now: float) -> None:
         if not self.write_lease:
@@ -410,7 +521,7 @@ class Controller:
     def _guard(self, now: float, running: bool) -> bool:
         """Apply the billing guard; True if it started a stop."""
         job = self.job()
-        v = self.guard.check(now=now, spent=self.store.spend_total(self.name), burn_per_hour=self.burn_per_hour(),
+        v = self.guard.check(now=now, spent=self.spent(now), burn_per_hour=self.burn_per_hour(),
                              deadline=job["deadline"], last_progress_at=self.last_progress_at, running=running)
         if v.stop:
             self.event("guard", v.reason)
@@ -470,8 +581,35 @@ class Controller:
         for stale in (runuri.STOP, WATCHDOG):
             runuri.remove(runuri.join(self.run_uri, stale))
         req = self._launch_request(n, offer, log_path, spent, job["deadline"], node_env, node_secrets)
+        # The launch runs in a worker thread (provisioning takes minutes on a real cloud): the
+        # loop keeps ticking meanwhile (guard, deadline, STOP, `dtrun down`).
+        self.inflight = LaunchInFlight(self.provider(offer.provider), req, price, now).start()
+        self.inflight.done.wait(self.launch_wait)
+        if self.inflight.done.is_set():
+            self._launch_finished()
+
+    def _launch_in_flight(self, now: float) -> None:
+        """A tick while the launch runs: record it once it returned, else guard the money."""
+        inf = self.inflight
+        assert inf is not None
+        if inf.done.is_set():
+            self._launch_finished()
+            return
+        if self._check_recovery_time(now):
+            return
+        self._guard(now, running=False)
+
+    def _launch_finished(self) -> None:
+        """Record the result of the launch that just returned (a node, or why it failed)."""
+        inf = self.inflight
+        assert inf is not None and inf.done.is_set() and self.strategy is not None
+        self.inflight = None
+        n, offer, price, now = inf.n, inf.offer, inf.price_per_hour, inf.t0
         try:
-            handle = self.provider(offer.provider).launch(req)
+            if inf.error is not None:
+                raise inf.error
+            handle = inf.handle
+            assert handle is not None
         except (perr.NoCapacity, perr.QuotaExceeded) as e:
             delay = self.strategy.no_capacity()
             self._launch_failed(n, "no_capacity", f"{type(e).__name__}: {e}", delay)
@@ -493,6 +631,11 @@ class Controller:
             self._sweep_due = True
             delay = self.strategy.transient()
             self._launch_failed(n, "launch_error", f"{type(e).__name__}: {e}", delay)
+            return
+        except Exception as e:  # noqa: BLE001 - a provider bug: like an unclassified API error
+            self._sweep_due = True
+            delay = self.strategy.transient()
+            self._launch_failed(n, "launch_error", describe_error(e), delay)
             return
         t = self.now()
         self.store.add_node(self.name, n, handle.to_dict(), t)
@@ -830,8 +973,9 @@ class Controller:
 
     # ---- terminating ---------------------------------------------------------------------------
     def _terminate_nodes(self) -> bool:
-        """Terminate every live node of the job; True once all are confirmed gone."""
-        all_gone = True
+        """Terminate every live node of the job; True once all are confirmed gone (a launch still
+        in flight is cancelled first: see :meth:`_cancel_in_flight`)."""
+        all_gone = self._cancel_in_flight()
         for nd in self.store.nodes(self.name, live_only=True):
             now = self.now()
             if nd["terminate_requested"] is None:
@@ -850,6 +994,64 @@ class Controller:
                 self.store.book_spend(self.name, nd["attempt"], t, close=True)
             self.event("terminate", f"{nd['name']} ({nd['instance_id']}) terminated (confirmed)")
         return all_gone
+
+    def _cancel_in_flight(self) -> bool:
+        """Cancel the launch in flight, if any; True once nothing of it is left to wait for.
+
+        Whatever it has created so far (found by its deterministic name through
+        ``provider.list_owned``) is recorded as the attempt's nodes, billed from the launch
+        request, and terminated by the ordinary path (confirmed). A launch that returns is
+        recorded the same way. One that has not returned ``stop_grace`` seconds after the cancel
+        is abandoned: its worker terminates what it returns later, and the orphan sweep runs."""
+        inf = self.inflight
+        if inf is None:
+            return True
+        now = self.now()
+        prov = self.provider(inf.offer.provider)
+        if inf.cancelled_at is None:
+            inf.cancelled_at = now
+            self.event("cancel", f"attempt {inf.n}: launch in flight on {inf.offer.key()} cancelled; "
+                                 f"terminating what it created ({inf.request.instance_name})")
+        if inf.done.is_set():
+            self.inflight = None
+            if inf.handle is not None and inf.handle.instance_id not in inf.adopted:
+                self._adopt(inf, inf.handle)
+            else:
+                self._end_attempt(inf.n, "cancelled", "cancelled while launching"
+                                  + (f" ({describe_error(inf.error)})" if inf.error else ""))
+            return True
+        try:
+            owned = [o for o in prov.list_owned(inf.request.instance_name) if inf.matches(o)]
+        except perr.ProviderError as e:
+            self.event("warning", f"attempt {inf.n}: could not list what the launch created "
+                                  f"({type(e).__name__}: {e}); retrying")
+            owned = []
+        for o in owned:
+            if o.instance_id not in inf.adopted:
+                self._adopt(inf, Handle(provider=inf.offer.provider, name=o.name, instance_id=o.instance_id,
+                                        region=o.region, launched_at=inf.t0))
+        if now - inf.cancelled_at >= self.stop_grace:
+            self.inflight = None
+            inf.abandon()
+            self._sweep_due = True
+            self.event("warning", f"attempt {inf.n}: the cancelled launch has not returned after "
+                                  f"{now - inf.cancelled_at:.0f} s; no longer waiting (what it returns is "
+                                  f"terminated by its worker; the orphan sweep runs)")
+            if not inf.adopted:
+                self._end_attempt(inf.n, "cancelled", "cancelled while launching")
+            return True
+        return False
+
+    def _adopt(self, inf: LaunchInFlight, handle: Handle) -> None:
+        """Record an instance of the launch in flight as its attempt's node (billed from the
+        launch request) so the ordinary terminate path ends it and books its spend."""
+        inf.adopted.add(handle.instance_id)
+        self.store.add_node(self.name, inf.n, handle.to_dict(), self.now())
+        self.store.open_spend(self.name, inf.n, inf.price_per_hour, inf.t0)
+        self.store.update_attempt(self.name, inf.n, state="PENDING", launched_at=inf.t0)
+        self.event("launch", f"attempt {inf.n}: {handle.name} ({handle.instance_id}) found while cancelling "
+                             f"its launch", {"attempt": inf.n, "instance_id": handle.instance_id,
+                                            "provider": inf.offer.provider})
 
     # ---- stopping ------------------------------------------------------------------------------
     def _cancel(self, now_: bool) -> None:
@@ -881,7 +1083,7 @@ class Controller:
             states = self._poll_nodes(live)
             exited = states is not None and all(s.is_terminal for s in states.values())
             waited = now - (job["stop_started"] or now)
-            why = self.guard.must_terminate_now(now=now, spent=self.store.spend_total(self.name),
+            why = self.guard.must_terminate_now(now=now, spent=self.spent(now),
                                                 burn_per_hour=self.burn_per_hour(), deadline=job["deadline"])
             if not exited and waited < self.stop_grace and why is None:
                 return
