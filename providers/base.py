@@ -47,6 +47,14 @@ class Offer:
     price_date: str = ""
     nodes: int = 1
     instance_type: str | None = None
+    regions: tuple[str, ...] = ()
+    """Where the provider may place it, in order (cheapest first): one launch tries them all
+    (SkyPilot fails over across them). Empty = anywhere the provider sells it (``region`` is
+    then "any", or the only region)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.regions, tuple):  # from JSON: a list
+            object.__setattr__(self, "regions", tuple(self.regions or ()))
 
     @property
     def price_per_node_hour(self) -> float:
@@ -232,6 +240,10 @@ class Provider(ABC):
 
     def check_credentials(self) -> None:
         """Raise AuthError naming what to set if credentials are missing. Default: none needed."""
+
+    def close(self) -> None:
+        """The controller using this provider is exiting: release what this process started
+        for it (SkyPilot: the local API server, if dtrun started it). Default: nothing."""
 
     def refuse(self, req: Requirements) -> str | None:
         return self.capabilities().refuse(req, self.name)

@@ -1,21 +1,40 @@
-"""Prices: the bundled snapshot, overridden by SkyPilot's cached catalogs when present.
+"""Prices and regions: the bundled snapshot, overridden by SkyPilot's cached catalogs when present.
 
 Providers call :func:`catalog_offers` from their ``offers()``; the dry run and ``dtrun prices``
 ask the providers. Reading SkyPilot's catalog is plain CSV (``~/.sky/catalogs/v8/<cloud>/vms.csv``):
-``sky`` itself is never imported here (it costs seconds and starts an API server).
+``sky`` itself is never imported here (it costs seconds).
+
+**GPU variants.** Every row is labelled with the GPU dtrun rents (``orchestrator.contract.gpus``):
+RunPod's ``H100`` is the PCIe card (``H100-PCIe``) and its ``H100-SXM`` the SXM; Lambda and Vast
+call both ``H100`` and tell them apart by instance type (``gpu_1x_h100_pcie`` / ``…_sxm5``,
+``1x-H100_SXM-…`` / ``…_PCIE-…``; Vast's NVL is left out); Vast's ``A100`` is the 40 GB SXM4 or
+the 80 GB PCIe (told apart by the row's GPU memory). An offer carries the SkyPilot instance type,
+so the task rents exactly that variant, and the estimate uses that variant's peak FLOP/s.
+
+**Regions.** Names are SkyPilot's (the catalog's ``Region`` column, else the snapshot's dated
+list): RunPod ``US``/``CA``/…, Lambda ``us-east-1``/…, Vast ``"Texas, US, NA"``/…. A spec's
+``resources.regions`` entry selects regions by exact name, or as a prefix: a country code
+(``US``), a continent (``EU``, ``NA``, ``AS``, ``OC``), or the start of a Lambda name
+(``us``, ``us-east``, ``europe``) — see :func:`select_regions`. Only real names reach SkyPilot.
+
+**One offer per provider, variant and spot/on-demand**, holding every allowed region in price
+order (``Offer.regions``): one launch lets SkyPilot fail over across them, so a region without
+capacity does not cost a dtrun attempt.
 """
 
 from __future__ import annotations
 
+import ast
 import csv
 import datetime as _dt
 import functools
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.contract.gpus import canonical_gpu
+from orchestrator.contract.gpus import canonical_gpu, gpu_family, gpu_matches
 from providers.base import Offer, Requirements
 
 SKY_CATALOG_VERSION = "v8"
@@ -23,6 +42,21 @@ SKY_CLOUDS = {"runpod": "runpod", "lambda": "lambda", "vast": "vast"}
 SNAPSHOT_PATH = Path(__file__).parent / "data" / "prices.yaml"
 UNKNOWN_SPOT = "spot price unknown: priced at on-demand (upper bound)"
 ANY_REGION = "any"
+
+# ISO country code → continent code, for selecting regions by continent (``EU``) on clouds whose
+# region names carry a country (RunPod: the code itself; Vast: "State, CC, CONTINENT").
+CONTINENT = {
+    **dict.fromkeys(["US", "CA", "MX"], "NA"),
+    **dict.fromkeys(["BR", "AR", "CL", "CO"], "SA"),
+    **dict.fromkeys(["AT", "BE", "BG", "CH", "CZ", "DE", "DK", "EE", "ES", "FI", "FR", "GB", "GR", "HR",
+                     "HU", "IE", "IS", "IT", "LT", "LU", "LV", "NL", "NO", "PL", "PT", "RO", "RS", "SE",
+                     "SI", "SK", "UA"], "EU"),
+    **dict.fromkeys(["CN", "HK", "ID", "IN", "JP", "KR", "MY", "PH", "SG", "TH", "TW", "VN"], "AS"),
+    **dict.fromkeys(["AU", "NZ"], "OC"),
+    **dict.fromkeys(["AE", "IL", "SA", "QA"], "ME"),
+}
+# Lambda's region names start with a continent word.
+_LAMBDA_CONTINENT = {"NA": "us-", "EU": "europe-", "AS": "asia-", "OC": "australia-", "ME": "me-"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +71,7 @@ class PriceRow:
     source: str
     date: str
     note: str = ""
+    instance_type: str | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,6 +88,7 @@ def snapshot_rows() -> list[PriceRow]:
     rows = []
     for r in snap["rows"]:
         for count in r["counts"]:
+            it = r.get("instance_type")
             rows.append(PriceRow(
                 provider=r["provider"], gpu=r["gpu"], region=ANY_REGION, gpus_per_node=count,
                 price=float(r["price"]),
@@ -60,6 +96,7 @@ def snapshot_rows() -> list[PriceRow]:
                 spot_sold="spot_price" in r,
                 source=f"snapshot {snap['date']}: {snap['sources'][r['provider']]}",
                 date=snap["date"], note=r.get("note", ""),
+                instance_type=it.format(n=count) if it else None,
             ))
     return rows
 
@@ -80,6 +117,51 @@ def sky_catalog_path(cloud: str) -> Path:
     return Path(root) / cloud / "vms.csv"
 
 
+def _gpu_mib_per_device(gpu_info: str, count: int) -> float | None:
+    """GPU memory per device from a catalog row's GpuInfo (a Python-literal dict)."""
+    try:
+        info = ast.literal_eval(gpu_info) if gpu_info else None
+    except (ValueError, SyntaxError):
+        return None
+    if not isinstance(info, dict):
+        return None
+    gpus = info.get("Gpus") or [{}]
+    per = (gpus[0].get("MemoryInfo") or {}).get("SizeInMiB")
+    total = info.get("TotalGpuMemoryInMiB")
+    if isinstance(total, (int, float)) and count > 0 and total > (per or 0):
+        return float(total) / count
+    return float(per) if isinstance(per, (int, float)) else None
+
+
+def variant_of(cloud: str, accelerator: str, instance_type: str, gpu_info: str = "", count: int = 1) -> str | None:
+    """The dtrun GPU a SkyPilot catalog row rents (None: a GPU dtrun does not plan for)."""
+    acc = accelerator.strip()
+    it = instance_type.upper()
+    if cloud == "runpod":
+        if acc == "H100":
+            return "H100-PCIe"        # RunPod's H100 is the PCIe card (GpuInfo: 'H100 PCIe')
+        if acc == "H100-SXM":
+            return "H100-SXM"
+        if acc in ("H100-NVL",):
+            return None
+        if acc == "A100-80GB-SXM":
+            return "A100-80GB"
+    elif cloud in ("lambda", "vast") and acc == "H100":
+        if "NVL" in it:
+            return None
+        if "PCIE" in it:
+            return "H100-PCIe"
+        if "SXM" in it:
+            return "H100-SXM"
+        return "H100"
+    if cloud == "vast" and acc == "A100":
+        mib = _gpu_mib_per_device(gpu_info, count)
+        if mib is not None and mib >= 60_000:
+            return "A100-80GB"
+        return "A100"
+    return canonical_gpu(acc) if acc else None
+
+
 def catalog_rows(provider: str) -> list[PriceRow]:
     """Rows from SkyPilot's cached catalog for ``provider`` (empty if absent or unreadable)."""
     cloud = SKY_CLOUDS.get(provider)
@@ -94,38 +176,119 @@ def catalog_rows(provider: str) -> list[PriceRow]:
         return []
     rows = []
     for r in reader:
-        gpu = canonical_gpu(r.get("AcceleratorName") or "")
         count = _positive(r.get("AcceleratorCount"))
         price = _positive(r.get("Price"))
-        if gpu is None or count is None or price is None or count != int(count):
+        if count is None or price is None or count != int(count):
             continue
         n = int(count)
+        gpu = variant_of(cloud, r.get("AcceleratorName") or "", r.get("InstanceType") or "",
+                         r.get("GpuInfo") or "", n)
+        if gpu is None:
+            continue
         spot = _positive(r.get("SpotPrice"))
         rows.append(PriceRow(
             provider=provider, gpu=gpu, region=r.get("Region") or ANY_REGION, gpus_per_node=n,
             price=price / n, spot_price=(spot / n) if spot else None,
             spot_sold=provider in ("runpod", "vast"),
             source=f"skypilot catalog {cloud}/vms.csv ({mtime})", date=mtime,
-            note=r.get("InstanceType") or "",
+            note=r.get("InstanceType") or "", instance_type=r.get("InstanceType") or None,
         ))
     return rows
 
 
 def price_rows(provider: str) -> list[PriceRow]:
-    """Every known price row for a provider: catalog rows replace snapshot rows per GPU type."""
+    """Every known price row for a provider: catalog rows replace snapshot rows per GPU family
+    (a catalog that sells H100-SXM but no H100-PCIe has the last word on both)."""
     snap = [r for r in snapshot_rows() if r.provider == provider]
     cat = catalog_rows(provider)
-    cat_gpus = {r.gpu for r in cat}
-    return cat + [r for r in snap if r.gpu not in cat_gpus]
+    cat_gpus = {gpu_family(r.gpu) for r in cat}
+    return cat + [r for r in snap if gpu_family(r.gpu) not in cat_gpus]
 
+
+# ---- regions ---------------------------------------------------------------------------------
+
+def known_regions(provider: str) -> tuple[list[str], str]:
+    """(SkyPilot's region names for ``provider``, where they come from): the cached catalog's,
+    else the snapshot's dated list; ``([], …)`` for a provider without regions (Modal)."""
+    cat = catalog_rows(provider)
+    if cat:
+        return sorted({r.region for r in cat if r.region != ANY_REGION}), cat[0].source
+    snap = _snapshot()
+    regs = list((snap.get("regions") or {}).get(provider) or [])
+    return regs, f"snapshot region list {snap.get('regions_date', snap['date'])}"
+
+
+def _country(provider: str, region: str) -> str | None:
+    parts = [p.strip() for p in region.split(",")]
+    if len(parts) == 3:          # Vast: "Texas, US, NA"
+        return parts[1].upper() or None
+    if provider == "runpod" and re.fullmatch(r"[A-Za-z]{2}", region):
+        return region.upper()
+    return None
+
+
+def region_matches(provider: str, region: str, term: str) -> bool:
+    """``term`` (a spec's ``resources.regions`` entry) selects ``region`` (a SkyPilot name)."""
+    t = term.strip().lower()
+    r = region.strip().lower()
+    if not t:
+        return False
+    if r == t:
+        return True
+    parts = [p.strip().lower() for p in region.split(",")]
+    if len(parts) == 3 and t in parts[1:]:                 # Vast: country or continent code
+        return True
+    if r.startswith(t + "-"):                              # Lambda: us → us-east-1, us-east → us-east-1
+        return True
+    cc = _country(provider, region)
+    if cc and CONTINENT.get(cc) == t.upper():              # RunPod: EU → SE, FR, …
+        return True
+    pre = _LAMBDA_CONTINENT.get(t.upper())
+    return provider == "lambda" and pre is not None and r.startswith(pre)
+
+
+def select_regions(provider: str, terms: tuple[str, ...] | list[str]) -> tuple[list[str], list[str]]:
+    """(SkyPilot region names of ``provider`` selected by ``terms``, the terms that selected none)."""
+    regions, _src = known_regions(provider)
+    chosen: list[str] = []
+    unmatched: list[str] = []
+    for t in terms:
+        hit = [r for r in regions if region_matches(provider, r, t)]
+        if not hit:
+            unmatched.append(t)
+        chosen.extend(r for r in hit if r not in chosen)
+    return chosen, unmatched
+
+
+def region_problem(provider: str, terms: tuple[str, ...] | list[str]) -> str | None:
+    """Why ``resources.regions`` selects nothing on ``provider`` (naming the valid names), or None."""
+    if not terms:
+        return None
+    regions, src = known_regions(provider)
+    if not regions:
+        return None  # a provider without regions (Modal): placement is its own
+    chosen, _bad = select_regions(provider, terms)
+    if chosen:
+        return None
+    shown = ", ".join(repr(r) if "," in r else r for r in regions[:40])
+    return (f"{provider}: resources.regions {list(terms)} selects none of its regions (SkyPilot's names, "
+            f"from the {src}: {shown}{' …' if len(regions) > 40 else ''}); use a name, a country code "
+            f"(US), a continent (EU, NA, AS, OC) or a name prefix (us-east)")
+
+
+# ---- offers ----------------------------------------------------------------------------------
 
 def _rows_to_offers(rows: list[PriceRow], req: Requirements) -> list[Offer]:
     want_spot = {True: [True], False: [False], "prefer": [False, True]}[req.spot]
-    best: dict[tuple, Offer] = {}
+    allowed: set[str] | None = None
+    if req.regions and rows:
+        allowed = set(select_regions(rows[0].provider, req.regions)[0])
+    # (provider, gpu, spot) → {instance type → [(price, region, row, source)]}
+    groups: dict[tuple, dict[str | None, list[tuple[float, str, PriceRow, str]]]] = {}
     for r in rows:
-        if r.gpu != req.gpu or r.gpus_per_node != req.gpus_per_node:
+        if not gpu_matches(req.gpu, r.gpu) or r.gpus_per_node != req.gpus_per_node:
             continue
-        if req.regions and r.region != ANY_REGION and r.region not in req.regions:
+        if allowed is not None and r.region != ANY_REGION and r.region not in allowed:
             continue
         for spot in want_spot:
             if spot and not r.spot_sold:
@@ -138,23 +301,44 @@ def _rows_to_offers(rows: list[PriceRow], req: Requirements) -> list[Offer]:
                     source = f"{r.source}; {UNKNOWN_SPOT}"
             if req.max_price_per_gpu_hour is not None and price > req.max_price_per_gpu_hour:
                 continue
-            offer = Offer(
-                provider=r.provider, region=r.region, gpu=r.gpu, gpus_per_node=r.gpus_per_node,
-                spot=spot, price_per_gpu_hour=round(price, 4), price_source=source,
-                price_date=r.date, nodes=req.nodes, instance_type=r.note or None,
-            )
-            k = (r.provider, r.region, spot)
-            if k not in best or offer.price_per_gpu_hour < best[k].price_per_gpu_hour:
-                best[k] = offer
-    return sorted(best.values(), key=lambda o: (o.price_per_gpu_hour, o.provider, o.region, o.spot))
+            groups.setdefault((r.provider, r.gpu, spot), {}).setdefault(r.instance_type, []).append(
+                (price, r.region, r, source))
+    out = []
+    for (provider, gpu, spot), by_type in groups.items():
+        # The cheapest instance type of this variant; its regions in price order.
+        it, cands = min(by_type.items(), key=lambda kv: (min(c[0] for c in kv[1]), kv[0] or ""))
+        cands.sort(key=lambda c: (c[0], c[1]))
+        price, _region, row, source = cands[0]
+        regions: list[str] = []
+        for c in cands:
+            if c[1] != ANY_REGION and c[1] not in regions:
+                regions.append(c[1])
+        if not regions and allowed is not None:
+            regions = [x for x in select_regions(provider, req.regions)[0]]  # snapshot: the dated list
+        spread = {round(c[0], 4) for c in cands}
+        if len(spread) > 1:
+            source = f"{source}; cheapest of {len(regions)} regions (up to ${max(spread):.2f}/GPU-h)"
+        if allowed is None:
+            # No region asked for: SkyPilot may place it anywhere the provider sells it.
+            region = regions[0] if len(regions) == 1 else ANY_REGION
+            regions = []
+        else:
+            region = regions[0] if len(regions) == 1 else ANY_REGION
+        out.append(Offer(
+            provider=provider, region=region, gpu=gpu,
+            gpus_per_node=row.gpus_per_node, spot=spot, price_per_gpu_hour=round(price, 4),
+            price_source=source, price_date=row.date, nodes=req.nodes, instance_type=it,
+            regions=tuple(regions),
+        ))
+    return sorted(out, key=lambda o: (o.price_per_gpu_hour, o.provider, o.gpu, o.spot))
 
 
 def catalog_offers(provider: str, req: Requirements) -> list[Offer]:
     """Offers for ``req`` from the snapshot and SkyPilot's cached catalogs, cheapest first.
 
-    One offer per (region, spot/on-demand): the cheapest matching row. Capabilities are the
-    provider's business (it refuses before calling this).
-    """
+    One offer per (GPU variant, spot/on-demand): the cheapest instance type, with every allowed
+    region where it is sold in ``regions`` (cheapest first). Capabilities are the provider's
+    business (it refuses before calling this)."""
     return _rows_to_offers(price_rows(provider), req)
 
 
@@ -162,7 +346,7 @@ def all_rows(gpu: str | None = None) -> list[PriceRow]:
     """Every price row of every rentable provider (for ``dtrun prices``)."""
     out = []
     for p in ("runpod", "lambda", "vast", "modal"):
-        out.extend(r for r in price_rows(p) if gpu is None or r.gpu == gpu)
+        out.extend(r for r in price_rows(p) if gpu is None or gpu_matches(gpu, r.gpu))
     return sorted(out, key=lambda r: (r.gpu, r.price, r.provider, r.gpus_per_node))
 
 

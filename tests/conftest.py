@@ -46,3 +46,31 @@ def dtrun_home(tmp_path, monkeypatch):
     home.mkdir()
     monkeypatch.setenv("DTRUN_HOME", str(home))
     yield home
+
+
+def write_provider_credentials(home, clouds=("runpod", "lambda", "vast")) -> None:
+    """The files SkyPilot reads each cloud's key from, with placeholder keys, under ``home``."""
+    if "runpod" in clouds:
+        (home / ".runpod").mkdir(parents=True, exist_ok=True)
+        (home / ".runpod" / "config.toml").write_text('[default]\napi_key = "rp-placeholder"\n')
+    if "lambda" in clouds:
+        (home / ".lambda_cloud").mkdir(parents=True, exist_ok=True)
+        (home / ".lambda_cloud" / "lambda_keys").write_text("api_key = lambda-placeholder\n")
+    if "vast" in clouds:
+        (home / ".config" / "vastai").mkdir(parents=True, exist_ok=True)
+        (home / ".config" / "vastai" / "vast_api_key").write_text("vast-placeholder\n")
+
+
+@pytest.fixture
+def provider_credentials(tmp_path, monkeypatch):
+    """A HOME where every provider is usable (placeholder keys in the files SkyPilot reads, Modal
+    tokens in the environment), so offers are not refused for missing credentials."""
+    home = tmp_path / "user-home"
+    home.mkdir(exist_ok=True)
+    write_provider_credentials(home)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-placeholder")
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-placeholder")
+    for v in ("RUNPOD_API_KEY", "VAST_API_KEY", "LAMBDA_API_KEY"):
+        monkeypatch.delenv(v, raising=False)
+    yield home

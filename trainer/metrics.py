@@ -53,11 +53,11 @@ H100_PCIE_PEAK_BF16 = 756e12  # the PCIe card's dense bf16 peak; the table's H10
 
 def peak_flops_for_name(device_name: str) -> float | None:
     """Peak for a CUDA device name such as 'NVIDIA GeForce RTX 4090' or 'NVIDIA H100 PCIe'."""
-    from orchestrator.contract.gpus import GPUS
+    from orchestrator.contract.gpus import GPUS, is_variant
 
     compact = device_name.upper().replace(" ", "").replace("-", "")
     for key in sorted(GPUS, key=len, reverse=True):  # longest first: A100 before A10, L40S before L4
-        if key == "cpu":
+        if key == "cpu" or is_variant(key):  # variants: the H100 PCIe test below
             continue
         if key.split("-")[0].upper() in compact:
             if key == "H100" and "PCIE" in compact:

@@ -326,7 +326,11 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
     # What the nodes run: auto resolved (degrees, micro-batch, checkpointing); the report judges
     # the spec as written (what auto was allowed to change).
     spec = run_spec(written)
-    plan = make_plan(spec)
+    plan = make_plan(spec, usable_only=True)
+    if plan.chosen is None and plan.unusable:
+        # Every offer is on a provider whose credentials are missing: exit 5 before any spend,
+        # naming the file to write (SkyPilot reads ~/.runpod/config.toml, not RUNPOD_API_KEY).
+        raise ProviderRefused("; ".join(plan.unusable.values()) + "; nothing rented")
     report = plan_report(written, plan)
     code = verdict_exit_code(written, plan, report, strict, force)
     out = sys.stderr if json_out else sys.stdout

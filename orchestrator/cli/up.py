@@ -15,6 +15,7 @@ from orchestrator.contract.errors import (
     EXIT_NO_OFFER,
     EXIT_OK,
     EXIT_OVER_BUDGET,
+    EXIT_PROVIDER,
 )
 from orchestrator.plan.estimate import Plan, make_plan
 from orchestrator.plan.spec import JobSpec, load_spec
@@ -229,7 +230,8 @@ def verdict_exit_code(spec: JobSpec, plan: Plan, report: dict[str, Any], strict:
     if strict and traps:
         return EXIT_INVALID
     if plan.chosen is None:
-        return EXIT_NO_OFFER
+        # Offers exist, but only from providers without credentials: a provider refusal (5).
+        return EXIT_PROVIDER if plan.unusable else EXIT_NO_OFFER
     if not plan.within_budget:
         return EXIT_OVER_BUDGET
     return EXIT_OK
@@ -237,7 +239,7 @@ def verdict_exit_code(spec: JobSpec, plan: Plan, report: dict[str, Any], strict:
 
 def cmd_dry_run(job: Path, json_out: bool, strict: bool = False, force: bool = False) -> int:
     spec = load_spec(job)
-    plan = make_plan(run_spec(spec))
+    plan = make_plan(run_spec(spec), usable_only=True)
     check_run_uri_reachable(spec, plan, str(job))
     report = plan_report(spec, plan)
     code = verdict_exit_code(spec, plan, report, strict, force)

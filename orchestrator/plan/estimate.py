@@ -71,6 +71,9 @@ class Plan:
     refusals: list[str]
     step_seconds: float
     checkpoint_every_steps: int
+    unusable: dict[str, str] = field(default_factory=dict)
+    """Providers left out because they cannot be used from here (no credentials SkyPilot or the
+    SDK would read): name → the message naming what to set. Their offers are not ranked."""
 
     @property
     def within_budget(self) -> bool:
@@ -95,6 +98,7 @@ class Plan:
             "within_budget": self.within_budget,
             "breakdown": est.breakdown if est else None,
             "refusals": self.refusals,
+            "unusable": self.unusable,
             "checkpoint_every_steps": self.checkpoint_every_steps,
         }
 
@@ -301,15 +305,24 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
                     budget_usd=b.max_usd, within_budget=within, breakdown=breakdown), every
 
 
-def gather_offers(spec: JobSpec) -> tuple[list[Offer], list[str]]:
-    """Offers from every provider named in the spec, and why others were refused."""
-    from providers import registry
+def gather_offers(spec: JobSpec, usable_only: bool = False,
+                  unusable: dict[str, str] | None = None, get: Any = None) -> tuple[list[Offer], list[str]]:
+    """Offers from every provider named in the spec, and why others were refused.
+
+    ``usable_only``: a provider whose ``check_credentials`` fails (offline: no network) is
+    refused with its message (what to set) and recorded in ``unusable``; its offers are left
+    out, so the plan picks the cheapest offer the user can actually rent."""
+    if get is None:
+        from providers import registry
+
+        get = registry.get
+    from providers import errors as perr
 
     req = requirements(spec)
     offers: list[Offer] = []
     refusals: list[str] = []
     for name in spec.resources.providers:
-        provider = registry.get(name)
+        provider = get(name)
         reason = provider.refuse(req)
         if reason:
             refusals.append(reason)
@@ -320,16 +333,28 @@ def gather_offers(spec: JobSpec) -> tuple[list[Offer], list[str]]:
             refusals.append(f"{name} has no {spot}{req.gpu}×{req.gpus_per_node} offer"
                             + (f" in {', '.join(req.regions)}" if req.regions else "")
                             + (f" under ${req.max_price_per_gpu_hour}/GPU-h" if req.max_price_per_gpu_hour else ""))
+            continue
+        if usable_only:
+            try:
+                provider.check_credentials()
+            except perr.AuthError as e:
+                refusals.append(str(e))
+                if unusable is not None:
+                    unusable[name] = str(e)
+                continue
         offers.extend(found)
     return offers, refusals
 
 
 def make_plan(spec: JobSpec, preemptions_per_hour: float | None = None,
-              offers: list[Offer] | None = None) -> Plan:
-    """Rank every fitting offer by expected cost (cheapest first) and pick the first."""
+              offers: list[Offer] | None = None, usable_only: bool = False, get: Any = None) -> Plan:
+    """Rank every fitting offer by expected cost (cheapest first) and pick the first.
+    ``usable_only``: only providers whose credentials are in place (``dtrun up`` and its dry
+    run); the others are refused with what to set (``Plan.unusable``)."""
     refusals: list[str] = []
+    unusable: dict[str, str] = {}
     if offers is None:
-        offers, refusals = gather_offers(spec)
+        offers, refusals = gather_offers(spec, usable_only=usable_only, unusable=unusable, get=get)
     scored = []
     for o in offers:
         est, every = estimate_offer(spec, o, preemptions_per_hour)
@@ -342,4 +367,4 @@ def make_plan(spec: JobSpec, preemptions_per_hour: float | None = None,
     every = scored[0][5] if scored else (spec.checkpoint.every_steps if spec.checkpoint.every_steps != "auto" else 0)
     step_s = est.breakdown["step_seconds"] if est else step_seconds(spec)
     return Plan(offers=ranked, estimates=ests, chosen=chosen, estimate=est, refusals=refusals,
-                step_seconds=step_s, checkpoint_every_steps=int(every))
+                step_seconds=step_s, checkpoint_every_steps=int(every), unusable=unusable)

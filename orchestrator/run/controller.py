@@ -310,20 +310,13 @@ class Controller:
     def _ensure_plan(self) -> None:
         if self.plan is not None:
             return
-        from orchestrator.plan.estimate import make_plan, requirements
+        from orchestrator.plan.estimate import make_plan
 
-        req: Requirements = requirements(self.spec)
-        offers: list[Offer] = []
-        refusals: list[str] = []
-        for name in self.spec.resources.providers:
-            p = self.provider(name)
-            why = p.refuse(req)
-            if why:
-                refusals.append(why)
-                continue
-            offers.extend(p.offers(req))
-        self.plan = make_plan(self.spec, offers=offers)
-        self.plan.refusals = refusals + list(self.plan.refusals)
+        # Only providers whose credentials are in place (the others are refused with what to
+        # set); with none left, start() refuses the job before anything is rented.
+        self.plan = make_plan(self.spec, usable_only=True, get=self.provider)
+        if self.plan.chosen is None and self.plan.unusable:
+            raise ProviderRefused("; ".join(self.plan.unusable.values()) + "; nothing rented")
 
     def _make_strategy(self, prefer: dict | None = None) -> None:
         offers = list(self.plan.offers) if self.plan is not None else []
@@ -415,6 +408,18 @@ class Controller:
         finally:
             if self.state in TERMINAL_STATES or (should_pause and should_pause()):
                 self.store.release_controller(self.name, self.pid)
+            self._close_providers()
+
+    def _close_providers(self) -> None:
+        """The loop is over: each provider releases what it started in this process (SkyPilot
+        stops the local API server dtrun started). A launch still in flight keeps it."""
+        if self.inflight is not None and not self.inflight.done.is_set():
+            return
+        for p in list(self._providers.values()):
+            try:
+                p.close()
+            except Exception as e:  # noqa: BLE001 - closing must not hide the run's outcome
+                self._safe_event("warning", f"{getattr(p, 'name', p)}: close failed: {describe_error(e)}", {})
 
     def _tick_failed(self, e: Exception, failures: int) -> float:
         """Record a failed tick; the delay before the next one, or raise ControllerGaveUp."""

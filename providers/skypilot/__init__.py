@@ -54,17 +54,31 @@ from providers.base import (
     Provider,
     Requirements,
 )
+from providers.skypilot import credentials
 from providers.skypilot.api import ClusterRecord, JobRecord, SkyAPI
 
 DEFAULT_IDLE_MINUTES = 3
 EXIT_MARKER = "DTRUN_EXIT_CODE="
 _EXIT_RE = re.compile(r"DTRUN_EXIT_CODE=(-?\d+)")
 
-# dtrun GPU name -> SkyPilot accelerator name (identical today; kept explicit).
-SKY_ACCELERATORS = {
-    "H100": "H100", "H200": "H200", "GH200": "GH200", "B200": "B200", "A100-80GB": "A100-80GB",
-    "A100": "A100", "L40S": "L40S", "L4": "L4", "A10": "A10", "RTX4090": "RTX4090", "T4": "T4",
+# dtrun GPU → SkyPilot accelerator name per cloud, where it is not the same name. A variant a
+# cloud names by instance type only (Lambda/Vast H100) also needs the offer's instance type.
+SKY_ACCELERATORS: dict[str, dict[str, str]] = {
+    "runpod": {"H100-PCIe": "H100", "H100-SXM": "H100-SXM"},
+    "lambda": {"H100-PCIe": "H100", "H100-SXM": "H100"},
+    "vast": {"H100-PCIe": "H100", "H100-SXM": "H100", "A100-80GB": "A100"},
 }
+_RUNPOD_TYPE = re.compile(r"^\d+x_(.+)_(SECURE|COMMUNITY)$")
+
+
+def sky_accelerator(cloud: str, gpu: str, instance_type: str | None = None) -> str:
+    """SkyPilot's accelerator name for dtrun's ``gpu`` on ``cloud`` (RunPod's instance types
+    spell it: ``8x_H100-SXM_SECURE`` → ``H100-SXM``)."""
+    if cloud == "runpod" and instance_type:
+        m = _RUNPOD_TYPE.match(instance_type)
+        if m:
+            return m.group(1)
+    return SKY_ACCELERATORS.get(cloud, {}).get(gpu, gpu)
 
 
 @dataclass(frozen=True)
@@ -72,10 +86,8 @@ class CloudInfo:
     name: str
     sky_name: str
     capabilities: Capabilities
-    credential_env: tuple[str, ...]
-    credential_files: tuple[str, ...]
-    how: str
-    """What to set, for the error message."""
+    credential_file: str
+    """The one file SkyPilot reads this cloud's key from (``providers.skypilot.credentials``)."""
 
 
 CLOUDS: dict[str, CloudInfo] = {
@@ -86,8 +98,7 @@ CLOUDS: dict[str, CloudInfo] = {
             multi_node=Capability(False, "SkyPilot: multi-node is not supported on RunPod (no interconnect between pods)"),
             max_gpus_per_node=8,
         ),
-        ("RUNPOD_API_KEY",), ("~/.runpod/config.toml",),
-        "set RUNPOD_API_KEY or write api_key to ~/.runpod/config.toml (`runpod config`)",
+        credentials.RUNPOD_FILE,
     ),
     "lambda": CloudInfo(
         "lambda", "lambda",
@@ -96,8 +107,7 @@ CLOUDS: dict[str, CloudInfo] = {
             multi_node=Capability(True),
             max_gpus_per_node=8,
         ),
-        (), ("~/.lambda_cloud/lambda_keys",),
-        "write `api_key = <key>` to ~/.lambda_cloud/lambda_keys",
+        credentials.LAMBDA_FILE,
     ),
     "vast": CloudInfo(
         "vast", "vast",
@@ -106,8 +116,7 @@ CLOUDS: dict[str, CloudInfo] = {
             multi_node=Capability(False, "SkyPilot: multi-node is not supported on Vast"),
             max_gpus_per_node=8,
         ),
-        ("VAST_API_KEY",), ("~/.config/vastai/vast_api_key",),
-        "set VAST_API_KEY or write the key to ~/.config/vastai/vast_api_key (`vastai set api-key`)",
+        credentials.VAST_FILE,
     ),
 }
 
@@ -130,13 +139,31 @@ IMAGE_CLOUDS = ("runpod", "vast")
 Lambda runs VMs (its Lambda Stack image ships PyTorch); the setup step checks it."""
 
 
+def task_resources(cloud: str, offer: Offer) -> dict[str, Any]:
+    """The task's ``resources``: the offer's accelerator (and instance type, which pins the
+    variant), spot or not, and where: ``infra: <cloud>`` lets SkyPilot fail over across every
+    region that sells it; ``offer.regions`` (a spec's ``resources.regions``) become ``ordered``
+    candidates, cheapest first — one launch tries them all (SkyPilot's own failover)."""
+    accel = sky_accelerator(cloud, offer.gpu, offer.instance_type)
+    res: dict[str, Any] = {"accelerators": f"{accel}:{offer.gpus_per_node}", "use_spot": bool(offer.spot)}
+    if offer.instance_type:
+        res["instance_type"] = offer.instance_type
+    sky = CLOUDS[cloud].sky_name
+    regions = list(offer.regions)
+    if not regions and offer.region and offer.region not in ("any", ""):
+        regions = [offer.region]
+    if len(regions) > 1:
+        res["ordered"] = [{"infra": f"{sky}/{r}"} for r in regions]
+    elif regions:
+        res["infra"] = f"{sky}/{regions[0]}"
+    else:
+        res["infra"] = sky
+    return res
+
+
 def build_task_config(cloud: str, request: LaunchRequest) -> dict[str, Any]:
     """The SkyPilot task dict for one attempt (what ``sky launch`` would read from YAML)."""
     offer = request.offer
-    accel = SKY_ACCELERATORS.get(offer.gpu, offer.gpu)
-    infra = CLOUDS[cloud].sky_name
-    if offer.region and offer.region not in ("any", ""):
-        infra = f"{infra}/{offer.region}"
     envs = {k: str(v) for k, v in request.env.items()}
     if request.deadline is not None:
         envs.setdefault("DTRUN_DEADLINE", str(int(request.deadline)))
@@ -145,8 +172,7 @@ def build_task_config(cloud: str, request: LaunchRequest) -> dict[str, Any]:
     envs.setdefault("DTRUN_NNODES", str(request.nodes))
     cfg: dict[str, Any] = {
         "name": request.instance_name,
-        "resources": {"accelerators": f"{accel}:{offer.gpus_per_node}", "use_spot": bool(offer.spot),
-                      "infra": infra},
+        "resources": task_resources(cloud, offer),
         "num_nodes": request.nodes,
         "envs": envs,
         "run": run_script(request.command),
@@ -165,52 +191,134 @@ def build_task_config(cloud: str, request: LaunchRequest) -> dict[str, Any]:
 
 # ---- errors --------------------------------------------------------------------------------------
 
-_AUTH = {"InvalidCloudCredentials", "CloudUserIdentityError", "NoCloudAccessError",
-         "ApiServerAuthenticationError", "PermissionDeniedError", "NoWorkspaceAccessError",
-         "ClusterOwnerIdentityMismatchError", "InvalidCloudConfigs"}
-_TRANSIENT = {"ApiServerConnectionError", "ServerTemporarilyUnavailableError", "NetworkError",
-              "RequestInterruptedError", "ConcurrentWorkerExhaustedError", "ClusterStatusFetchingError",
-              "FetchClusterInfoError", "ConnectionError", "Timeout", "ReadTimeout", "ConnectTimeout",
-              "TimeoutError", "RequestCancelled", "ExecutionRetryableError", "SkyletUnavailableError"}
-_UNSUPPORTED = {"NotSupportedError", "ProvisionUnsupportedError", "ResourcesMismatchError",
-                "APINotSupportedError", "InvalidClusterNameError", "UserRequestRejectedByPolicy"}
-_QUOTA_RE = re.compile(r"quota|limit exceeded|insufficient (funds|balance|credit)|spend(ing)? limit|balance",
-                       re.I)
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+MAX_MESSAGE = 3000
+
+# SkyPilot's exception classes (``sky.exceptions``, 0.14.1) → dtrun's error, checked in order
+# (subclasses before their bases). A test asserts every name exists in SkyPilot, so a rename
+# there fails here instead of silently falling through to a generic error.
+ERROR_TABLE: tuple[tuple[str, type[perr.ProviderError]], ...] = (
+    ("NoCloudAccessError", perr.AuthError),                 # no cloud enabled at all
+    ("InvalidCloudCredentials", perr.AuthError),
+    ("CloudUserIdentityError", perr.AuthError),
+    ("ClusterOwnerIdentityMismatchError", perr.AuthError),
+    ("InvalidCloudConfigs", perr.AuthError),
+    ("ApiServerAuthenticationError", perr.AuthError),
+    ("NoWorkspaceAccessError", perr.AuthError),
+    ("PermissionDeniedError", perr.AuthError),
+    ("ProvisionUnsupportedError", perr.NotSupported),       # this offer can never be served
+    ("NotSupportedError", perr.NotSupported),
+    ("ResourcesMismatchError", perr.NotSupported),
+    ("InvalidClusterNameError", perr.NotSupported),
+    ("UserRequestRejectedByPolicy", perr.NotSupported),
+    ("APIVersionMismatchError", perr.NotSupported),
+    ("APINotSupportedError", perr.NotSupported),
+    ("ApiServerConnectionError", perr.Transient),            # the local API server: retry
+    ("ServerTemporarilyUnavailableError", perr.Transient),
+    ("RequestInterruptedError", perr.Transient),
+    ("RequestCancelled", perr.Transient),
+    ("ConcurrentWorkerExhaustedError", perr.Transient),
+    ("ExecutionRetryableError", perr.Transient),
+    ("CloudError", perr.Transient),                          # a cloud API / catalog fetch fault
+    ("NetworkError", perr.Transient),
+    ("ClusterStatusFetchingError", perr.Transient),
+    ("FetchClusterInfoError", perr.Transient),
+    ("SkyletUnavailableError", perr.Transient),
+)
+# ``requests``/``urllib3``/builtin network faults (by class name: they come through the SDK).
+_TRANSIENT_NAMES = {"ConnectionError", "Timeout", "ReadTimeout", "ConnectTimeout", "TimeoutError",
+                    "ConnectionResetError", "ConnectionRefusedError", "ChunkedEncodingError"}
+_QUOTA_RE = re.compile(r"quota|limit exceeded|insufficient (funds|balance|credit)|spend(ing)? limit|"
+                       r"balance|not enough (funds|credit)", re.I)
 _AUTH_RE = re.compile(r"credential|unauthori[sz]ed|forbidden|api key|\b401\b|\b403\b", re.I)
+_NOT_ENABLED_RE = re.compile(r"which (is|are) not enabled|sky check", re.I)
+HALF_DEAD = ("SkyPilot's local API server did not answer or could not start (a half-dead server: "
+             "a leftover process on its port or executors still running). Run `sky api stop` (then, "
+             "if `sky api status` still shows one, end the leftover `sky.server` processes) and "
+             "retry; its log: ~/.sky/api_server/server.log")
+
+
+def clean(text: str) -> str:
+    """ANSI colour codes and SkyPilot's payload markers stripped, whitespace trimmed."""
+    text = _ANSI.sub("", text or "")
+    text = re.sub(r"<sky-payload>.*?</sky-payload>", "", text, flags=re.S)
+    return text.strip()
+
+
+def _sky_exceptions() -> Any:
+    try:
+        from sky import exceptions
+    except ImportError:  # pragma: no cover - the skypilot extra is part of the install
+        return None
+    return exceptions
 
 
 def _names(e: BaseException) -> set[str]:
     return {c.__name__ for c in type(e).__mro__}
 
 
-def map_sky_error(e: BaseException, provider: str) -> perr.ProviderError:
-    """SkyPilot's exception → dtrun's provider error (by class name: no sky import needed)."""
-    if isinstance(e, perr.ProviderError):
-        return e
-    names = _names(e)
-    msg = f"{provider} (SkyPilot): {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-    if "ResourcesUnavailableError" in names:
-        if _QUOTA_RE.search(str(e)):
-            return perr.QuotaExceeded(msg, provider=provider)
-        return perr.NoCapacity(msg, provider=provider)
-    if names & _AUTH:
-        return perr.AuthError(msg, provider=provider)
-    if "ProvisionPrechecksError" in names:
-        reasons = getattr(e, "reasons", []) or []
-        if any(_names(r) & _AUTH or _AUTH_RE.search(str(r)) for r in reasons):
-            return perr.AuthError(msg, provider=provider)
-        return perr.NotSupported(msg, provider=provider)
-    if names & _TRANSIENT:
-        return perr.Transient(msg, provider=provider)
-    if names & _UNSUPPORTED:
-        return perr.NotSupported(msg, provider=provider)
-    if _QUOTA_RE.search(str(e)):
-        return perr.QuotaExceeded(msg, provider=provider)
-    return perr.ProviderError(msg, provider=provider)
-
-
 def _is(e: BaseException, name: str) -> bool:
     return name in _names(e)
+
+
+def _classify(e: BaseException) -> type[perr.ProviderError] | None:
+    exc = _sky_exceptions()
+    for name, target in ERROR_TABLE:
+        cls = getattr(exc, name, None) if exc is not None else None
+        if (cls is not None and isinstance(e, cls)) or (cls is None and _is(e, name)):
+            return target
+    return None
+
+
+def _unavailable(e: BaseException, provider: str, msg: str) -> perr.ProviderError:
+    """``ResourcesUnavailableError``: what SkyPilot's failover over the allowed regions found."""
+    text = clean(str(e))
+    if _NOT_ENABLED_RE.search(text):
+        # SkyPilot's check for this cloud failed (missing or rejected key): not capacity.
+        why = credentials.problem(provider) if provider in credentials.FILES else None
+        fix = credentials.message(provider, why or "SkyPilot reports the cloud as not enabled (its "
+                                  "credential check failed: the key may be wrong or revoked)")
+        return perr.AuthError(f"{fix} (SkyPilot: {text.splitlines()[0]})", provider=provider)
+    history = list(getattr(e, "failover_history", None) or [])
+    if history and all(_is(h, "ProvisionUnsupportedError") for h in history):
+        return perr.NotSupported(msg, provider=provider)
+    reasons = [clean(str(h)) for h in history] or [text]
+    if reasons and all(_QUOTA_RE.search(r) for r in reasons):
+        return perr.QuotaExceeded(msg, provider=provider)
+    return perr.NoCapacity(msg, provider=provider)
+
+
+def map_sky_error(e: BaseException, provider: str) -> perr.ProviderError:
+    """SkyPilot's exception → dtrun's provider error, keeping every region's reason (ANSI
+    stripped, at most ``MAX_MESSAGE`` characters)."""
+    if isinstance(e, perr.ProviderError):
+        return e
+    text = clean(str(e))
+    if len(text) > MAX_MESSAGE:
+        text = text[:MAX_MESSAGE] + " …"
+    msg = f"{provider} (SkyPilot): {type(e).__name__}" + (f": {text}" if text else "")
+    if _is(e, "ResourcesUnavailableError"):
+        return _unavailable(e, provider, msg)
+    if _is(e, "NoCloudAccessError") and provider in credentials.FILES:
+        why = credentials.problem(provider) or "SkyPilot has no cloud enabled"
+        return perr.AuthError(f"{credentials.message(provider, why)} (SkyPilot: {text})", provider=provider)
+    if _is(e, "ProvisionPrechecksError"):
+        reasons = getattr(e, "reasons", []) or []
+        if any(_classify(r) is perr.AuthError or _AUTH_RE.search(str(r)) for r in reasons):
+            return perr.AuthError(msg + "".join(f"; {clean(str(r))}" for r in reasons), provider=provider)
+        return perr.NotSupported(msg + "".join(f"; {clean(str(r))}" for r in reasons), provider=provider)
+    target = _classify(e)
+    if target is not None:
+        return target(msg, provider=provider)
+    if _names(e) & _TRANSIENT_NAMES:
+        return perr.Transient(msg, provider=provider)
+    if isinstance(e, RuntimeError) and "API server" in text:
+        return perr.Transient(f"{provider} (SkyPilot): {HALF_DEAD} ({text.splitlines()[0]})", provider=provider)
+    if isinstance(e, ValueError) and re.search(r"Invalid (region|zone|instance type)", text):
+        return perr.NotSupported(msg, provider=provider)  # SkyPilot's optimizer rejected a name
+    if _QUOTA_RE.search(text):
+        return perr.QuotaExceeded(msg, provider=provider)
+    return perr.ProviderError(msg, provider=provider)
 
 
 # ---- the provider --------------------------------------------------------------------------------
@@ -221,6 +329,12 @@ _JOB_STATE = {
     "FAILED": NodeState.FAILED, "FAILED_SETUP": NodeState.FAILED, "FAILED_DRIVER": NodeState.FAILED,
     "CANCELLED": NodeState.TERMINATED,
 }
+"""Every ``sky.skylet.job_lib.JobStatus`` → the node's state (a test checks the enum is covered)."""
+CLUSTER_STATES = ("INIT", "UP", "STOPPED", "AUTOSTOPPING", "PENDING")
+"""Every ``sky.utils.status_lib.ClusterStatus`` :meth:`SkyPilotProvider.poll` handles: UP and
+AUTOSTOPPING → the job's status; PENDING, and INIT before the cluster was ever up → PENDING;
+STOPPED, INIT after being up, or gone → PREEMPTED unless dtrun took it down (TERMINATED) or its
+job had already ended (that outcome)."""
 
 
 class SkyPilotProvider(Provider):
@@ -253,12 +367,19 @@ class SkyPilotProvider(Provider):
         return self.info.capabilities
 
     def check_credentials(self) -> None:
-        info = self.info
-        if any(os.environ.get(v) for v in info.credential_env):
-            return
-        if any(Path(f).expanduser().is_file() for f in info.credential_files):
-            return
-        raise perr.AuthError(f"no {info.name} credentials: {info.how}", provider=info.name)
+        """SkyPilot's own offline check for this cloud (``credentials``): the file it reads the
+        key from, never a variable it does not read. AuthError names the file and the fix."""
+        why = credentials.problem(self.cloud)
+        if why is not None:
+            raise perr.AuthError(credentials.message(self.cloud, why), provider=self.cloud)
+
+    def refuse(self, req: Requirements) -> str | None:
+        why = super().refuse(req)
+        if why is None and req.regions:
+            from providers.catalog import region_problem
+
+            why = region_problem(self.cloud, req.regions)
+        return why
 
     def offers(self, req: Requirements) -> list[Offer]:
         if self.refuse(req) is not None:
@@ -268,8 +389,13 @@ class SkyPilotProvider(Provider):
         spot_ok = self.info.capabilities.spot.supported
         return [o for o in catalog_offers(self.cloud, req)
                 if o.provider == self.cloud and (spot_ok or not o.spot)
-                and (not req.regions or o.region in req.regions or o.region == "any")
                 and (req.max_price_per_gpu_hour is None or o.price_per_gpu_hour <= req.max_price_per_gpu_hour)]
+
+    def close(self) -> None:
+        """The controller is done with SkyPilot: stop the local API server if dtrun started it."""
+        close = getattr(self.api, "close", None)
+        if close is not None:
+            close()
 
     def task_config(self, request: LaunchRequest) -> dict[str, Any]:
         """The validated task dict for ``request`` (raises NotSupported if SkyPilot rejects it)."""
@@ -315,11 +441,13 @@ class SkyPilotProvider(Provider):
         if not recs:
             return self._gone_state(memo)
         rec = recs[0]
-        if rec.status == "UP":
+        if rec.status in ("UP", "AUTOSTOPPING"):
+            # AUTOSTOPPING: the job ended and the cluster is taking itself down (down=True):
+            # the job's own status says how it ended.
             self._memo(cluster, ever_up=True)
             return self._job_state(cluster, handle.data.get("job_id"), memo)
-        if rec.status == "INIT" and not (rec.ever_up or memo.get("ever_up")):
-            return NodeState.PENDING
+        if rec.status == "PENDING" or (rec.status == "INIT" and not (rec.ever_up or memo.get("ever_up"))):
+            return NodeState.PENDING  # waiting to be scheduled / provisioning
         if memo.get("terminated"):
             return NodeState.TERMINATED
         # STOPPED, or INIT after being up (a node was lost): preempted, unless the job had ended.
@@ -398,7 +526,8 @@ class SkyPilotProvider(Provider):
                 with locked_json(self._memo_path) as data:
                     if data.get(r.name, {}).get("cloud") != self.cloud:
                         continue
-            state = {"UP": NodeState.RUNNING, "INIT": NodeState.PENDING}.get(r.status, NodeState.PREEMPTED)
+            state = {"UP": NodeState.RUNNING, "AUTOSTOPPING": NodeState.RUNNING, "INIT": NodeState.PENDING,
+                     "PENDING": NodeState.PENDING}.get(r.status, NodeState.PREEMPTED)
             out.append(OwnedInstance(r.name, r.name, state, "", r.launched_at))
         return out
 
@@ -411,4 +540,4 @@ class SkyPilotProvider(Provider):
 
 
 __all__ = ["SkyPilotProvider", "SkyAPI", "ClusterRecord", "JobRecord", "build_task_config", "map_sky_error",
-           "CLOUDS", "run_script"]
+           "CLOUDS", "run_script", "task_resources", "sky_accelerator", "ERROR_TABLE", "CLUSTER_STATES"]

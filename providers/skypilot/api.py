@@ -8,11 +8,20 @@ logic (task building, state mapping, error mapping) is exercised without a serve
 
 Records come back as small dataclasses of plain values, never SkyPilot objects, so the adapter
 and the fake share one vocabulary.
+
+**The local API server.** Every SDK call needs SkyPilot's API server (8–11 s to start, ~425 MiB,
+plus executor processes). Before the first call :meth:`SkyAPI.ensure_server` reuses a healthy
+one (the user's: never stopped by dtrun) or starts one with ``sky.api_start()`` and remembers
+that dtrun did; :meth:`SkyAPI.close` (the controller's exit) stops only that one, with
+``sky.api_stop()``, which kills the server's whole process tree. A server that cannot start
+(the half-dead case: a leftover process on its port) becomes one ``RuntimeError`` that says
+what to run (``providers.skypilot.HALF_DEAD``).
 """
 
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,17 +71,59 @@ def _cloud_of(rec: Any) -> str:
     return ""
 
 
+_SERVER_LOCK = threading.Lock()
+_SERVER = {"checked": False, "started_by_dtrun": False}
+"""One per process: every SkyAPI (one per cloud) shares the one local server."""
+
+
 class SkyAPI:
     """Thin wrapper over ``sky.launch/status/queue/down/tail_logs`` + ``sky.get``.
 
     Methods raise SkyPilot's own exceptions; the adapter maps them to ``providers.errors``.
     """
 
+    def ensure_server(self) -> None:
+        """Reuse a running local API server, or start one (and remember dtrun did)."""
+        with _SERVER_LOCK:
+            if _SERVER["checked"]:
+                return
+            from sky.server import common as server_common
+
+            if not server_common.is_api_server_local():
+                _SERVER["checked"] = True  # a remote server (the user's `sky api login`)
+                return
+            info = server_common.get_api_server_status()
+            if info.status == server_common.ApiServerStatus.HEALTHY:
+                _SERVER["checked"] = True  # the user's, or another dtrun's: reused, never stopped
+                return
+            import sky
+
+            try:
+                sky.api_start()
+            except RuntimeError as e:
+                from providers.skypilot import HALF_DEAD, clean
+
+                raise RuntimeError(f"{HALF_DEAD} (SkyPilot API server: {clean(str(e)).splitlines()[0]})") from None
+            _SERVER["checked"] = True
+            _SERVER["started_by_dtrun"] = True
+
+    def close(self) -> None:
+        """Stop the local API server if this process started it (idempotent)."""
+        with _SERVER_LOCK:
+            if not _SERVER["started_by_dtrun"]:
+                return
+            import sky
+
+            _SERVER["started_by_dtrun"] = False
+            _SERVER["checked"] = False
+            sky.api_stop()
+
     def launch(self, config: dict[str, Any], cluster_name: str, idle_minutes: int) -> int | None:
         """Provision the cluster, run setup, submit the run command as a job; returns its job id.
 
         ``down=True``: the cluster tears itself down ``idle_minutes`` after its job ends.
         Blocks until the job is submitted (provisioning takes minutes)."""
+        self.ensure_server()
         import sky
 
         task = task_from_config(config)
@@ -82,6 +133,7 @@ class SkyAPI:
         return job_id
 
     def status(self, cluster_names: list[str] | None = None, refresh: bool = True) -> list[ClusterRecord]:
+        self.ensure_server()
         import sky
         from sky.utils.common import StatusRefreshMode
 
@@ -96,17 +148,20 @@ class SkyAPI:
         return out
 
     def queue(self, cluster_name: str) -> list[JobRecord]:
+        self.ensure_server()
         import sky
 
         return [JobRecord(int(j["job_id"]), _enum_value(j["status"]))
                 for j in sky.get(sky.queue(cluster_name, skip_finished=False))]
 
     def down(self, cluster_name: str) -> None:
+        self.ensure_server()
         import sky
 
         sky.get(sky.down(cluster_name))
 
     def tail(self, cluster_name: str, job_id: int | None, lines: int) -> str:
+        self.ensure_server()
         import sky
 
         buf = io.StringIO()

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from orchestrator.cli.app import main
+from orchestrator.contract.gpus import GPUS, gpu_matches
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT2 = ROOT / "jobs" / "gpt2-124m.yaml"
@@ -37,7 +38,7 @@ def job_file(tmp_path, **changes) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def no_sky_catalog(tmp_path, monkeypatch):
+def no_sky_catalog(tmp_path, monkeypatch, provider_credentials):
     monkeypatch.setenv("DTRUN_SKY_CATALOG_DIR", str(tmp_path / "no-catalogs"))
 
 
@@ -52,9 +53,9 @@ def test_gpt2_dry_run_json(capsys):
     for o in offers:
         for key in ("provider", "region", "gpu", "gpus_per_node", "nodes", "spot", "price_per_gpu_hour"):
             assert key in o
-        assert o["gpu"] == "H100" and o["gpus_per_node"] == 8
+        assert gpu_matches("H100", o["gpu"]) and o["gpus_per_node"] == 8
     # Ranked by expected cost; the chosen one is the first.
-    costs = [o["cost_usd"] for o in offers]
+    costs = [o["expected_usd"] for o in offers]
     assert costs == sorted(costs)
     assert out["chosen"] == offers[0]
     # Spot only where it is sold (RunPod, Vast); never on Lambda or Modal.
@@ -63,7 +64,9 @@ def test_gpt2_dry_run_json(capsys):
     c = out["chosen"]
     assert out["cost_usd"] == pytest.approx(c["price_per_gpu_hour"] * 8 * out["hours"] * 1.2, rel=1e-3)
     b = out["breakdown"]
-    compute_h = 6 * b["active_params"] * b["tokens"] / (8 * 989e12 * 0.40) / 3600
+    # at the rented variant's peak (RunPod's H100 is the PCIe card: 756 TFLOP/s, not 989)
+    assert b["peak_flops_per_gpu"] == GPUS[c["gpu"]].peak_bf16_flops
+    compute_h = 6 * b["active_params"] * b["tokens"] / (8 * GPUS[c["gpu"]].peak_bf16_flops * 0.40) / 3600
     assert b["compute_hours"] == pytest.approx(compute_h, rel=1e-6)
     assert out["hours"] >= b["compute_hours"] + b["startup_hours"]
 
@@ -114,13 +117,19 @@ def test_sky_catalog_overrides_snapshot_and_zero_spot_is_unknown(capsys, tmp_pat
     f = job_file(tmp_path, resources__providers=["runpod"], resources__spot="prefer")
     rc, out = run_json(capsys, ["up", str(f), "--dry-run", "--json"])
     assert rc == 0
-    by = {(o["region"], o["spot"]): o for o in out["offers"]}
-    assert by[("CA", False)]["price_per_gpu_hour"] == pytest.approx(2.0)
-    assert "skypilot catalog" in by[("CA", False)]["price_source"]
-    assert by[("US", True)]["price_per_gpu_hour"] == pytest.approx(1.0)
-    # A zero spot price is unknown, never free: priced at on-demand.
-    assert by[("CA", True)]["price_per_gpu_hour"] == pytest.approx(2.0)
-    assert "unknown" in by[("CA", True)]["price_source"]
+    # One offer per variant and spot/on-demand, priced at its cheapest region; SkyPilot places it.
+    by = {o["spot"]: o for o in out["offers"]}
+    assert len(out["offers"]) == 2
+    assert by[False]["price_per_gpu_hour"] == pytest.approx(2.0) and by[False]["gpu"] == "H100-PCIe"
+    assert "skypilot catalog" in by[False]["price_source"]
+    assert by[True]["price_per_gpu_hour"] == pytest.approx(1.0)
+    # A zero spot price is unknown, never free: priced at on-demand (CA only sells at 0.0 spot).
+    f = job_file(tmp_path, resources__providers=["runpod"], resources__spot=True, resources__regions=["CA"])
+    rc, out = run_json(capsys, ["up", str(f), "--dry-run", "--json"])
+    (o,) = out["offers"]
+    assert o["region"] == "CA" and o["regions"] == ["CA"]
+    assert o["price_per_gpu_hour"] == pytest.approx(2.0)
+    assert "unknown" in o["price_source"]
 
 
 def test_quickstart_dry_run_on_local(capsys):
@@ -135,7 +144,7 @@ def test_prices_json(capsys):
     assert rc == 0
     provs = {r["provider"] for r in out["prices"]}
     assert provs == {"runpod", "lambda", "vast", "modal"}
-    assert all(r["gpu"] == "H100" and r["price_source"] for r in out["prices"])
+    assert all(gpu_matches("H100", r["gpu"]) and r["price_source"] for r in out["prices"])
     caps = out["capabilities"]
     assert caps["lambda"]["spot"]["supported"] is False and caps["lambda"]["spot"]["reason"]
     assert caps["lambda"]["multi_node"]["supported"] is True
