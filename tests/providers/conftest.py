@@ -16,6 +16,10 @@ def credentials(monkeypatch, tmp_path):
     home = tmp_path / "home"
     (home / ".lambda_cloud").mkdir(parents=True)
     (home / ".lambda_cloud" / "lambda_keys").write_text("api_key = dummy\n")
+    (home / ".runpod").mkdir(parents=True)  # the files SkyPilot reads (not the env variables)
+    (home / ".runpod" / "config.toml").write_text('[default]\napi_key = "dummy-runpod"\n')
+    (home / ".config" / "vastai").mkdir(parents=True)
+    (home / ".config" / "vastai" / "vast_api_key").write_text("dummy-vast\n")
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("RUNPOD_API_KEY", "dummy-runpod")
     monkeypatch.setenv("VAST_API_KEY", "dummy-vast")

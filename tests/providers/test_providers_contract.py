@@ -188,7 +188,8 @@ def test_missing_credentials_are_a_clear_error_without_secrets(tmp_path, monkeyp
     monkeypatch.setenv("HOME", str(tmp_path))
     for v in ("RUNPOD_API_KEY", "VAST_API_KEY", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "MODAL_CONFIG_PATH"):
         monkeypatch.delenv(v, raising=False)
-    expect = {"runpod": "RUNPOD_API_KEY", "lambda": "~/.lambda_cloud/lambda_keys", "vast": "VAST_API_KEY"}
+    expect = {"runpod": "~/.runpod/config.toml", "lambda": "~/.lambda_cloud/lambda_keys",
+              "vast": "~/.config/vastai/vast_api_key"}
     for cloud, what in expect.items():
         api = FakeSkyAPI()
         p = SkyPilotProvider(cloud, api, home=tmp_path)
@@ -221,7 +222,8 @@ def test_offers_come_from_the_price_catalog(credentials, tmp_path):
     req = Requirements("H100", 8, 1, "prefer")
     for name in ("runpod", "lambda", "vast", "modal"):
         offers = registry.get(name).offers(req)
-        assert offers and all(o.provider == name and o.gpu == "H100" and o.gpus_per_node == 8 for o in offers)
+        assert offers and all(o.provider == name and o.gpu in ("H100", "H100-SXM", "H100-PCIe")
+                              and o.gpus_per_node == 8 for o in offers)
         if name in ("lambda", "modal"):
             assert not any(o.spot for o in offers)
     assert registry.get("lambda").offers(Requirements("H100", 8, spot=True)) == []

@@ -18,9 +18,9 @@ def test_task_config_is_valid_skypilot_and_carries_the_bootstrap():
     from providers.skypilot import build_task_config
     from providers.skypilot.api import task_from_config
 
-    cfg = build_task_config("runpod", _request(region="US-CA-2"))
+    cfg = build_task_config("runpod", _request(region="US"))
     assert cfg["name"] == "dtrun-gpt-a2"
-    assert cfg["resources"] == {"accelerators": "H100:8", "use_spot": True, "infra": "runpod/US-CA-2"}
+    assert cfg["resources"] == {"accelerators": "H100:8", "use_spot": True, "infra": "runpod/US"}
     assert cfg["num_nodes"] == 1 and cfg["workdir"] == "."
     assert "python infra/node_bootstrap.py" in cfg["run"] and "DTRUN_EXIT_CODE=" in cfg["run"]
     assert cfg["envs"]["DTRUN_DEADLINE"] == "2000000000" and cfg["envs"]["DTRUN_RUN_URI"] == "s3://b/gpt"
@@ -38,7 +38,11 @@ def test_skyapi_calls_the_sdk_as_documented(monkeypatch):
     from sky.utils.common import StatusRefreshMode
 
     from providers.skypilot import SkyPilotProvider, build_task_config
+    from providers.skypilot import api as sky_api
     from providers.skypilot.api import SkyAPI
+
+    # The API server is checked once per process; here it counts as checked (nothing real runs).
+    monkeypatch.setitem(sky_api._SERVER, "checked", True)
 
     calls = []
 
