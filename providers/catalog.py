@@ -281,8 +281,11 @@ def region_problem(provider: str, terms: tuple[str, ...] | list[str]) -> str | N
 def _rows_to_offers(rows: list[PriceRow], req: Requirements) -> list[Offer]:
     want_spot = {True: [True], False: [False], "prefer": [False, True]}[req.spot]
     allowed: set[str] | None = None
+    rank: dict[str, int] = {}
     if req.regions and rows:
-        allowed = set(select_regions(rows[0].provider, req.regions)[0])
+        chosen = select_regions(rows[0].provider, req.regions)[0]
+        allowed = set(chosen)
+        rank = {r: i for i, r in enumerate(chosen)}  # at equal prices, the order the user gave
     # (provider, gpu, spot) → {instance type → [(price, region, row, source)]}
     groups: dict[tuple, dict[str | None, list[tuple[float, str, PriceRow, str]]]] = {}
     for r in rows:
@@ -307,7 +310,7 @@ def _rows_to_offers(rows: list[PriceRow], req: Requirements) -> list[Offer]:
     for (provider, gpu, spot), by_type in groups.items():
         # The cheapest instance type of this variant; its regions in price order.
         it, cands = min(by_type.items(), key=lambda kv: (min(c[0] for c in kv[1]), kv[0] or ""))
-        cands.sort(key=lambda c: (c[0], c[1]))
+        cands.sort(key=lambda c: (c[0], rank.get(c[1], len(rank)), c[1]))
         price, _region, row, source = cands[0]
         regions: list[str] = []
         for c in cands:

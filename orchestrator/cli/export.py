@@ -1,9 +1,11 @@
 """``dtrun export JOB --skypilot``: the job as a SkyPilot task YAML a user can ``sky launch`` alone.
 
 The task is the one the SkyPilot adapter launches (``providers.skypilot.build_task_config``),
-with ``resources.any_of`` listing every SkyPilot cloud in ``resources.providers`` that can run
-the job (spot/multi-node capabilities applied; ``spot: prefer`` lists spot and on-demand), so
-SkyPilot's optimizer picks the cheapest. The resolved job spec travels in ``DTRUN_JOB_YAML``:
+with ``resources.any_of`` listing every offer dtrun would rent on the SkyPilot clouds in
+``resources.providers`` (spot/multi-node capabilities applied; ``spot: prefer`` lists spot and
+on-demand; each GPU variant with its accelerator and instance type; ``resources.regions`` as
+one candidate per region name SkyPilot's optimizer accepts), so SkyPilot's optimizer picks the
+cheapest. The resolved job spec travels in ``DTRUN_JOB_YAML``:
 ``setup`` writes it to ``<run-uri>/job.yaml`` when absent, which is where the node bootstrap
 reads it. The output is validated with ``sky.Task.from_yaml_config`` before it is printed.
 
@@ -41,26 +43,36 @@ def skypilot_task(spec: JobSpec, workdir: str = ".") -> tuple[dict[str, Any], li
                        regions=tuple(r.regions), max_price_per_gpu_hour=r.max_price_per_gpu_hour)
     notes: list[str] = []
     any_of: list[dict[str, Any]] = []
-    spot_choices = {True: [True], False: [False], "prefer": [True, False]}[r.spot]
+    from providers.skypilot import SkyPilotProvider, task_resources
+
     for cloud in [p for p in r.providers if p in SKYPILOT_CLOUDS]:
-        caps = CLOUDS[cloud].capabilities
-        why = caps.refuse(req, cloud)
+        prov = SkyPilotProvider(cloud)
+        why = prov.refuse(req)
         if why:
             notes.append(f"left out: {why}")
             continue
-        for spot in spot_choices:
-            if spot and not caps.spot.supported:
-                notes.append(f"{cloud}: on-demand only ({caps.spot.reason})")
-                continue
-            for region in (r.regions or [None]):
-                infra = cloud if region is None else f"{cloud}/{region}"
-                entry: dict[str, Any] = {"infra": infra, "use_spot": spot}
-                from orchestrator.plan.estimate import node_image
+        caps = CLOUDS[cloud].capabilities
+        if r.spot in (True, "prefer") and not caps.spot.supported:
+            notes.append(f"{cloud}: on-demand only ({caps.spot.reason})")
+        offers = prov.offers(req)
+        if not offers:
+            notes.append(f"left out: {cloud} has no {r.gpu}×{r.gpus_per_node} offer"
+                         + (f" in {', '.join(r.regions)}" if r.regions else ""))
+        from orchestrator.plan.estimate import node_image
 
-                img = node_image(spec, cloud)  # RunPod/Vast containers: the prebuilt image
-                if img:
-                    entry["image_id"] = f"docker:{img}"
-                any_of.append(entry)
+        img = node_image(spec, cloud)  # RunPod/Vast containers: the prebuilt image
+        for offer in offers:
+            # One candidate per allowed region, each a name SkyPilot's optimizer accepts (its
+            # catalog's, or the snapshot's dated list); none asked for: the whole cloud.
+            res = task_resources(cloud, offer)
+            if img:
+                res["image_id"] = f"docker:{img}"
+            ordered = res.pop("ordered", None)
+            if ordered:
+                for cand in ordered:
+                    any_of.append({**res, **cand})
+            else:
+                any_of.append(res)
     others = [p for p in r.providers if p not in SKYPILOT_CLOUDS]
     if others:
         notes.append(f"not exportable to SkyPilot: {', '.join(others)} (dtrun launches those itself)")
@@ -97,7 +109,7 @@ def skypilot_task(spec: JobSpec, workdir: str = ".") -> tuple[dict[str, Any], li
                                command=["python", "infra/node_bootstrap.py"], env=env, workdir=workdir)
     cfg = build_task_config(offer.provider, req_launch)
     cfg["name"] = f"dtrun-{spec.name}"
-    cfg["resources"] = {"accelerators": cfg["resources"]["accelerators"], "any_of": any_of}
+    cfg["resources"] = {"any_of": any_of}
     cfg["setup"] = f"{SETUP}\n{WRITE_JOB_YAML}"
     from orchestrator.run.nodecreds import ACCESS_KEY, SECRET_KEY, s3_uses
 

@@ -27,7 +27,9 @@ def test_export_gpt2_is_valid_skypilot_yaml_without_secrets(capsys, monkeypatch)
     clouds = {(str(r.cloud), r.use_spot) for r in task.resources}
     # spot: prefer → spot and on-demand on RunPod and Vast; Lambda on-demand only; Modal not exportable
     assert clouds == {("RunPod", True), ("RunPod", False), ("Vast", True), ("Vast", False), ("Lambda", False)}
-    assert all(r.accelerators == {"H100": 8} for r in task.resources)
+    # each H100 variant under its SkyPilot name: RunPod's H100 is the PCIe card, H100-SXM the SXM
+    assert all(r.accelerators in ({"H100": 8}, {"H100-SXM": 8}) for r in task.resources)
+    assert {"H100-SXM": 8} in [r.accelerators for r in task.resources if str(r.cloud) == "RunPod"]
     env = cfg["envs"]
     assert env["DTRUN_RUN_URI"] == "s3://my-bucket/dtrun/gpt2-124m"
     assert yaml.safe_load(env["DTRUN_JOB_YAML"])["name"] == "gpt2-124m"
@@ -49,7 +51,8 @@ def test_export_multi_node_keeps_only_multi_node_clouds(tmp_path, capsys):
     out = capsys.readouterr().out
     cfg = yaml.safe_load(out)
     assert cfg["num_nodes"] == 2
-    assert cfg["resources"]["any_of"] == [{"infra": "lambda", "use_spot": False}]
+    (only,) = cfg["resources"]["any_of"]
+    assert only["infra"] == "lambda" and only["use_spot"] is False and only["accelerators"] == "H100:8"
     assert float(cfg["envs"]["DTRUN_BUDGET_LEFT_USD"]) == 50  # per node
     assert "multi-node is not available on runpod" in out
 
