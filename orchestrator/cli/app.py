@@ -95,11 +95,13 @@ def ls_(json_out: JsonOpt = False) -> None:
 def logs(
     job: Annotated[str, typer.Argument(help="Job name.")],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+    attempt: Annotated[int | None, typer.Option("--attempt", "-a", help="Only this attempt's node output.")] = None,
 ) -> None:
-    """Print the job's controller events and the trainer's log."""
+    """Print the job's controller events and the nodes' output (local log files, or the
+    provider's logs for a remote node: SkyPilot's job log of the attempt's cluster)."""
     from orchestrator.cli.jobs import cmd_logs
 
-    raise typer.Exit(cmd_logs(job, follow))
+    raise typer.Exit(cmd_logs(job, follow, attempt))
 
 
 @app.command()

@@ -155,38 +155,57 @@ def cmd_ls(json_out: bool) -> int:
 
 # ---- logs ----------------------------------------------------------------------------------------
 
-REMOTE_LOG_PROVIDERS = ("modal",)
-"""Providers whose attempt output lives with the provider, not in a local log file (a Modal
-sandbox's stdout/stderr): ``dtrun logs`` asks the provider for it."""
+REMOTE_LOG_LINES = 10_000
+LOG_POLL_SECONDS = 2.0
 
 
-def _provider_log(store: StateStore, job: str, attempt: int) -> str:
+def _remote_log(store: StateStore, job: str, n: int, lines: int = REMOTE_LOG_LINES) -> str | None:
+    """Attempt ``n``'s node output from its provider (None when it ran on this machine or no
+    node was recorded). A gone node says so instead of failing."""
     from providers import registry
     from providers.base import Handle
 
     out = []
-    for nd in store.nodes(job):
-        if nd["attempt"] != attempt or nd["provider"] not in REMOTE_LOG_PROVIDERS:
-            continue
+    nodes = [nd for nd in store.nodes(job) if nd["attempt"] == n]
+    if not nodes or all(nd["provider"] in ("local", "fake") for nd in nodes):
+        return None
+    for nd in nodes:
         try:
-            text = registry.get(nd["provider"]).logs(Handle.from_dict(nd["handle"]), tail=2000)
+            text = registry.get(nd["provider"]).logs(Handle.from_dict(nd["handle"]), tail=lines)
         except Exception as e:  # noqa: BLE001 - logs are best effort; say why they are missing
             text = f"(logs of {nd['name']} unavailable: {type(e).__name__}: {e})"
-        if text:
-            out.append(text if text.endswith("\n") else text + "\n")
-    return "".join(out)
+        out.append(text or "")
+    return "\n".join(out)
 
 
-def cmd_logs(job: str, follow: bool) -> int:
+def _new_lines(old: list[str], new: list[str]) -> list[str]:
+    """The lines of ``new`` after its overlap with the end of ``old`` (a sliding tail)."""
+    for k in range(min(len(old), len(new)), 0, -1):
+        if old[-k:] == new[:k]:
+            return new[k:]
+    return new
+
+
+def cmd_logs(job: str, follow: bool, attempt: int | None = None) -> int:
     store = StateStore()
     if store.get_job(job) is None:
         raise NotFoundError(f"no job named {job!r} (see `dtrun ls`)")
+    if attempt is not None and store.get_attempt(job, attempt) is None:
+        have = [a["n"] for a in store.attempts(job)]
+        raise NotFoundError(f"job {job!r} has no attempt {attempt} (attempts: {', '.join(map(str, have)) or 'none'})")
     last_id = 0
     cur_log: str | None = None
     pos = 0
+    remote_seen: list[str] = []
+    remote_n: int | None = None
+
+    def attempt_text(a: dict) -> str | None:
+        if a["log_path"] and os.path.exists(a["log_path"]):
+            return Path(a["log_path"]).read_text(errors="replace")
+        return _remote_log(store, job, a["n"])
 
     def drain(logs: bool = True) -> None:
-        nonlocal last_id, cur_log, pos
+        nonlocal last_id, cur_log, pos, remote_seen, remote_n
         for e in store.events(job, after_id=last_id):
             last_id = e["id"]
             stamp = time.strftime("%H:%M:%S", time.localtime(e["time"]))
@@ -195,28 +214,45 @@ def cmd_logs(job: str, follow: bool) -> int:
             sys.stdout.flush()
             return
         atts = store.attempts(job)
-        lp = atts[-1]["log_path"] if atts else None
-        if lp and lp != cur_log:
-            cur_log, pos = lp, 0
-            sys.stdout.write(f"--- attempt {atts[-1]['n']} log: {lp} ---\n")
-        if cur_log and os.path.exists(cur_log):
+        if attempt is not None:
+            atts = [a for a in atts if a["n"] == attempt]
+        if not atts:
+            sys.stdout.flush()
+            return
+        a = atts[-1]
+        lp = a["log_path"]
+        if lp and os.path.exists(lp):
+            if lp != cur_log:
+                cur_log, pos = lp, 0
+                sys.stdout.write(f"--- attempt {a['n']} log: {lp} ---\n")
             with open(cur_log, "rb") as f:
                 f.seek(pos)
                 data = f.read()
                 pos += len(data)
             sys.stdout.write(data.decode(errors="replace"))
+        else:
+            text = _remote_log(store, job, a["n"], lines=1000)
+            if text is not None:
+                if remote_n != a["n"]:
+                    remote_n, remote_seen = a["n"], []
+                    sys.stdout.write(f"--- attempt {a['n']} ({a['provider']}) node output ---\n")
+                lines = text.splitlines()
+                for ln in _new_lines(remote_seen, lines):
+                    sys.stdout.write(ln + "\n")
+                remote_seen = lines
         sys.stdout.flush()
 
     if not follow:
-        # every attempt's log, then the events
+        # every attempt's output (or the one asked for), then the events
         for a in store.attempts(job):
-            if a["log_path"] and os.path.exists(a["log_path"]):
-                sys.stdout.write(f"--- attempt {a['n']} log: {a['log_path']} ---\n")
-                sys.stdout.write(Path(a["log_path"]).read_text(errors="replace"))
-            elif a["provider"] in REMOTE_LOG_PROVIDERS:
-                text = _provider_log(store, job, a["n"])
-                if text:
-                    sys.stdout.write(f"--- attempt {a['n']} log ({a['provider']}) ---\n{text}")
+            if attempt is not None and a["n"] != attempt:
+                continue
+            text = attempt_text(a)
+            if text is None:
+                continue
+            where = a["log_path"] if a["log_path"] and os.path.exists(a["log_path"]) else f"{a['provider']} node output"
+            sys.stdout.write(f"--- attempt {a['n']} log: {where} ---\n")
+            sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
         sys.stdout.write("--- controller events ---\n")
         drain(logs=False)
         return EXIT_OK
@@ -227,7 +263,12 @@ def cmd_logs(job: str, follow: bool) -> int:
             if row and row["state"] in TERMINAL_STATES and not StateStore.controller_alive(row):
                 drain()
                 return EXIT_OK
-            time.sleep(0.5)
+            if attempt is not None:
+                a = store.get_attempt(job, attempt)
+                if a and a["state"] == "ENDED" and not store.nodes(job, live_only=True):
+                    drain()
+                    return EXIT_OK
+            time.sleep(LOG_POLL_SECONDS if remote_n is not None else 0.5)
     except KeyboardInterrupt:
         return EXIT_OK
 

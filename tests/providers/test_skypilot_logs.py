@@ -1,0 +1,60 @@
+"""`dtrun logs JOB [--attempt N] [-f]` shows a remote (SkyPilot) attempt's node output: the job
+log of the attempt's cluster, through the provider (the SDK seam is the recorded fake)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cli.app import main
+from orchestrator.run.state import StateStore
+from providers import registry
+from providers.base import Handle
+
+from provider_fakes import FakeSkyAPI
+
+
+@pytest.fixture
+def two_attempts(tmp_path, monkeypatch, credentials):
+    from providers.skypilot import SkyPilotProvider
+
+    monkeypatch.setenv("DTRUN_HOME", str(tmp_path / "dtrun-home"))
+    api = FakeSkyAPI()
+    prov = SkyPilotProvider("runpod", api, home=tmp_path / "dtrun-home")
+    registry.register("runpod", prov)
+    store = StateStore()
+    store.create_job("lj", "name: lj\n", "s3://b/lj", providers=["runpod"], t=1.0)
+    for n in (1, 2):
+        cluster = f"dtrun-lj-a{n}"
+        store.new_attempt("lj", n, {"provider": "runpod"}, "runpod", float(n))
+        api.clusters[cluster] = {"status": "UP", "cloud": "runpod", "jobs": {1: "RUNNING"},
+                                 "log": f"attempt {n} step 1\nattempt {n} step 2\n", "launched_at": 0.0}
+        h = Handle("runpod", cluster, cluster, data={"cluster": cluster, "job_id": 1, "cloud": "runpod"})
+        store.add_node("lj", n, h.to_dict(), float(n))
+    store.set_state("lj", "SUCCEEDED", "done", t=5.0)
+    yield api
+    registry.unregister("runpod")
+
+
+def test_logs_shows_each_remote_attempts_output(two_attempts, capsys):
+    assert main(["logs", "lj"]) == 0
+    out = capsys.readouterr().out
+    assert "attempt 1 step 2" in out and "attempt 2 step 2" in out
+    assert "runpod node output" in out
+
+
+def test_logs_attempt_selects_one(two_attempts, capsys):
+    assert main(["logs", "lj", "--attempt", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "attempt 1 step 1" in out and "attempt 2" not in out.split("--- controller events ---")[0]
+    assert ("tail", "dtrun-lj-a1") in two_attempts.calls
+
+
+def test_logs_follow_prints_a_remote_attempt_then_stops_with_the_job(two_attempts, capsys):
+    assert main(["logs", "lj", "-f", "--attempt", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("attempt 2 step 1") == 1  # a sliding tail is printed once
+
+
+def test_logs_unknown_attempt_is_exit_6(two_attempts, capsys):
+    assert main(["logs", "lj", "--attempt", "9"]) == 6
+    assert "no attempt 9" in capsys.readouterr().err
