@@ -42,11 +42,11 @@ def _spec(uri: str, providers: list[str], **trainer):
     })
 
 
-class _InvalidCloudCredentials(Exception):
-    pass
+def _InvalidCloudCredentials(msg: str) -> Exception:
+    """What SkyPilot raises for a rejected key: its own class (the adapter maps by class)."""
+    from sky.exceptions import InvalidCloudCredentials
 
-
-_InvalidCloudCredentials.__name__ = "InvalidCloudCredentials"  # what SkyPilot raises (mapped by name)
+    return InvalidCloudCredentials(msg)
 
 
 @pytest.fixture
@@ -54,6 +54,8 @@ def world(tmp_path, dtrun_home, s3_bucket, monkeypatch):
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
+    (home / ".runpod").mkdir()  # the file SkyPilot reads RunPod's key from
+    (home / ".runpod" / "config.toml").write_text('[default]\napi_key = "dummy-runpod"\n')
     monkeypatch.setenv("RUNPOD_API_KEY", "dummy-runpod")
     monkeypatch.setenv("MODAL_TOKEN_ID", "dummy-id")
     monkeypatch.setenv("MODAL_TOKEN_SECRET", "dummy-modal")

@@ -154,7 +154,8 @@ def test_up_without_provider_credentials_is_exit_5_before_anything_starts(dtrun_
     with pytest.raises(DtrunError) as ei:
         cmd_up(job, yes=True)
     assert ei.value.exit_code == EXIT_PROVIDER
-    assert "RUNPOD_API_KEY" in str(ei.value) and "nothing rented" in str(ei.value)
+    # the file SkyPilot reads the key from (it never reads RUNPOD_API_KEY)
+    assert "~/.runpod/config.toml" in str(ei.value) and "nothing rented" in str(ei.value)
     assert StateStore().get_job("rp") is None
 
 
@@ -166,6 +167,9 @@ def test_up_refuses_a_local_disk_run_uri_for_remote_nodes(dtrun_home, tmp_path, 
     from orchestrator.cli.jobs import cmd_up
 
     monkeypatch.setenv("RUNPOD_API_KEY", "rk-test")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".runpod").mkdir()
+    (tmp_path / ".runpod" / "config.toml").write_text('[default]\napi_key = "rk-test"\n')
     job = tmp_path / "job.yaml"
     job.write_text("name: rp\nresources: {providers: [runpod], gpu: H100, gpus_per_node: 1, spot: false}\n"
                    "trainer: {model: tiny, steps: 10, batch_size: 8, seq_len: 64}\nbudget: {max_usd: 10}\n")
