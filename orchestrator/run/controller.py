@@ -264,6 +264,10 @@ class Controller:
         self._ensure_plan()
         self.spec = self._resolve_auto(self.spec)
         reattach = job is not None and job["state"] in ACTIVE_STATES
+        if not reattach and self.plan.chosen is None and getattr(self.plan, "unusable", None):
+            # Offers exist only on providers without credentials: exit 5, nothing rented. (A
+            # re-attach goes on: its nodes must still be watched and stopped.)
+            raise ProviderRefused("; ".join(self.plan.unusable.values()) + "; nothing rented")
         if not reattach and self.plan.chosen is not None:
             # A remote node needs the object store's credentials: refuse (exit 5) before the job
             # row exists and before anything is rented, naming what to set.
@@ -315,8 +319,6 @@ class Controller:
         # Only providers whose credentials are in place (the others are refused with what to
         # set); with none left, start() refuses the job before anything is rented.
         self.plan = make_plan(self.spec, usable_only=True, get=self.provider)
-        if self.plan.chosen is None and self.plan.unusable:
-            raise ProviderRefused("; ".join(self.plan.unusable.values()) + "; nothing rented")
 
     def _make_strategy(self, prefer: dict | None = None) -> None:
         offers = list(self.plan.offers) if self.plan is not None else []

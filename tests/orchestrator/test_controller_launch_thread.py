@@ -131,3 +131,18 @@ def test_down_during_an_in_flight_launch_cancels_it(world):
     end = cloud.bill()["rows"][0]["end"]
     assert end <= asked[0] + 30  # within one tick of `dtrun down`
     assert any(e["type"] == "cancel" and "launch in flight" in e["message"] for e in store.events("slowlaunch"))
+
+
+def test_a_launch_longer_than_max_recovery_minutes_is_cancelled(world):
+    clock, cloud, store = world["clock"], world["cloud"], world["store"]
+    spec = _spec(world["tmp"], budget={"max_usd": 1000.0},
+                 recovery={"poll_seconds": 30, "backoff_seconds": 10, "heartbeat_timeout_seconds": 300,
+                           "max_recovery_minutes": 3})
+    c = Controller(spec, store, clock=clock, providers={"fake": cloud}, launch_wait_seconds=0.05,
+                   write_lease=False)
+    t0 = clock.now()
+    assert c.run(on_tick=_wait_created(cloud)) == "FAILED"
+    job = store.get_job("slowlaunch")
+    assert "max_recovery_minutes" in job["reason"]
+    assert cloud.running_instances() == []
+    assert cloud.bill()["rows"][0]["end"] <= t0 + 3 * 60 + 2 * 30  # the bound, within a tick or two
