@@ -4,6 +4,7 @@ dtrun (and the CLI's fast paths) never imports sky, modal or torch."""
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 from providers.base import Provider
@@ -44,3 +45,11 @@ def register(name: str, provider: Provider) -> None:
 
 def unregister(name: str) -> None:
     _overrides.pop(name, None)
+
+
+def close_all() -> None:
+    """A command that used providers is done: each provider whose module this process loaded
+    releases what it started here (SkyPilot: the local API server dtrun started)."""
+    for name, (module, _cls, _fixed) in _PROVIDERS.items():
+        if module in sys.modules or name in _overrides:
+            get(name).close()

@@ -28,6 +28,17 @@ def cmd_gc(yes: bool, json_out: bool) -> int:
 
     store = StateStore()
     names = gc_providers(store)
+    try:
+        return _gc(store, names, yes, json_out)
+    finally:
+        from providers import registry
+
+        registry.close_all()  # stop SkyPilot's API server if listing started it
+
+
+def _gc(store: StateStore, names: list[str], yes: bool, json_out: bool) -> int:
+    import typer
+
     rep = find_orphans(store, names)
     act = bool(rep.orphans) and (yes or (not json_out and _interactive() and typer.confirm(
         f"Terminate {len(rep.orphans)} orphan instance(s)?", default=False)))

@@ -459,3 +459,13 @@ def test_no_capacity_in_every_region_is_one_attempt_then_the_next_provider(sky_o
     launches = [x for x in sdk.calls if x[0] == "launch"]
     assert len(launches) == 2
     assert [str(r.region) for r in launches[0][1]["task"].resources] == ["US", "CA"]
+
+
+def test_a_cli_command_that_started_the_server_stops_it(monkeypatch):
+    from providers import registry
+    from providers.skypilot.api import SkyAPI
+
+    srv = _Server(monkeypatch, healthy=False)
+    SkyAPI().ensure_server()  # e.g. `dtrun gc` listing SkyPilot clusters
+    registry.close_all()
+    assert (srv.started, srv.stopped) == (1, 1)
