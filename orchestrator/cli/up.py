@@ -148,8 +148,10 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
                       f"{o.price_per_hour:.2f}", _hours(e.hours), _money(e.cost_usd),
                       "yes" if ok else "NO (memory)", o.price_source, style=style)
         con.print(t)
+    from rich.markup import escape
+
     for reason in plan.refusals:
-        con.print(f"[yellow]not offered:[/] {reason}")
+        con.print(f"[yellow]not offered:[/] {escape(reason)}")  # reasons quote `[default]`
     est = plan.estimate
     if plan.chosen and est:
         b = est.breakdown
@@ -257,8 +259,14 @@ def cmd_dry_run(job: Path, json_out: bool, strict: bool = False, force: bool = F
             _console(stderr=True).print(f"[red]Refused (exit 4):[/] {report['does_not_fit']}; nothing will be "
                                         "rented (--force rents it anyway)")
     if plan.chosen is None:
-        why = "; ".join(plan.refusals) or "no provider offers this GPU"
-        _console(stderr=True).print(f"[red]No offer fits:[/] {why}")
+        from rich.markup import escape
+
+        if plan.unusable:
+            why = "; ".join(plan.unusable.values())
+            _console(stderr=True).print(f"[red]No usable provider (nothing rented; exit 5):[/] {escape(why)}")
+        else:
+            why = "; ".join(plan.refusals) or "no provider offers this GPU"
+            _console(stderr=True).print(f"[red]No offer fits:[/] {escape(why)}")
     if strict and report.get("traps"):
         _console(stderr=True).print(f"[red]--strict:[/] {len(report['traps'])} known trap(s) found")
     return code
