@@ -71,6 +71,18 @@ def _cloud_of(rec: Any) -> str:
     return ""
 
 
+def parse_status(records: Any) -> list[ClusterRecord]:
+    """``sky.status`` results (the client's decoded ``StatusResponse`` records) → ClusterRecords."""
+    return [ClusterRecord(name=r["name"], status=_enum_value(r["status"]), cloud=_cloud_of(r),
+                          launched_at=r.get("launched_at"), ever_up=bool(r.get("cluster_ever_up", True)))
+            for r in records]
+
+
+def parse_queue(jobs: Any) -> list[JobRecord]:
+    """``sky.queue`` results (decoded ``ClusterJobRecord``s) → JobRecords."""
+    return [JobRecord(int(j["job_id"]), _enum_value(j["status"])) for j in jobs]
+
+
 _SERVER_LOCK = threading.Lock()
 _SERVER = {"checked": False, "started_by_dtrun": False}
 """One per process: every SkyAPI (one per cloud) shares the one local server."""
@@ -138,21 +150,13 @@ class SkyAPI:
         from sky.utils.common import StatusRefreshMode
 
         mode = StatusRefreshMode.FORCE if refresh else StatusRefreshMode.NONE
-        records = sky.get(sky.status(cluster_names, refresh=mode))
-        out = []
-        for r in records:
-            out.append(ClusterRecord(
-                name=r["name"], status=_enum_value(r["status"]), cloud=_cloud_of(r),
-                launched_at=r.get("launched_at"), ever_up=bool(r.get("cluster_ever_up", True)),
-            ))
-        return out
+        return parse_status(sky.get(sky.status(cluster_names, refresh=mode)))
 
     def queue(self, cluster_name: str) -> list[JobRecord]:
         self.ensure_server()
         import sky
 
-        return [JobRecord(int(j["job_id"]), _enum_value(j["status"]))
-                for j in sky.get(sky.queue(cluster_name, skip_finished=False))]
+        return parse_queue(sky.get(sky.queue(cluster_name, skip_finished=False)))
 
     def down(self, cluster_name: str) -> None:
         self.ensure_server()

@@ -16,11 +16,16 @@ from typing import Any, Callable
 
 from providers.base import LaunchRequest, Offer, Provider
 from providers.modal.api import SandboxRecord, SandboxResult, SandboxSpec
-from providers.skypilot.api import ClusterRecord, JobRecord
+from providers.skypilot.api import ClusterRecord, JobRecord  # noqa: F401 - re-exported for tests
 
 
 class FakeSkyAPI:
-    """Recorded stand-in for ``providers.skypilot.api.SkyAPI`` (no API server, no cloud)."""
+    """Recorded stand-in for ``providers.skypilot.api.SkyAPI`` (no API server, no cloud).
+
+    Its status and queue answers are SkyPilot's own records (``StatusResponse`` with a real
+    ``CloudVmRayResourceHandle``, ``ClusterJobRecord``) passed through the API server's encoder
+    and the client's decoder, then read by the real seam's parsers; its errors are SkyPilot's
+    exception classes."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
@@ -41,7 +46,8 @@ class FakeSkyAPI:
         self._maybe_fail("launch")
         job = self.next_job
         self.next_job += 1
-        cloud = config["resources"]["infra"].split("/")[0]
+        res = config["resources"]
+        cloud = (res.get("infra") or res["ordered"][0]["infra"]).split("/")[0]
         self.clusters[cluster_name] = {"status": "UP", "cloud": cloud, "jobs": {job: "RUNNING"},
                                        "log": "", "launched_at": time.time()}
         return job
@@ -49,8 +55,12 @@ class FakeSkyAPI:
     def status(self, cluster_names: list[str] | None = None, refresh: bool = True) -> list[ClusterRecord]:
         self.calls.append(("status", {"names": cluster_names, "refresh": refresh}))
         self._maybe_fail("status")
-        return [ClusterRecord(n, c["status"], c["cloud"], c["launched_at"], True)
+        from providers.skypilot.api import parse_status
+        from skypilot_offline import over_http, status_record
+
+        recs = [status_record(n, c["cloud"], c["status"], True, full_handle=False)
                 for n, c in self.clusters.items() if cluster_names is None or n in cluster_names]
+        return parse_status(over_http("status", recs))
 
     def queue(self, cluster_name: str) -> list[JobRecord]:
         self.calls.append(("queue", cluster_name))
@@ -60,7 +70,10 @@ class FakeSkyAPI:
             from sky.exceptions import ClusterDoesNotExist
 
             raise ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
-        return [JobRecord(j, s) for j, s in c["jobs"].items()]
+        from providers.skypilot.api import parse_queue
+        from skypilot_offline import job_record, over_http
+
+        return parse_queue(over_http("queue", [job_record(j, s) for j, s in c["jobs"].items()]))
 
     def down(self, cluster_name: str) -> None:
         self.calls.append(("down", cluster_name))

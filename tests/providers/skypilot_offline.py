@@ -80,18 +80,20 @@ INSTANCE = {"runpod": ("8x_H100-SXM_SECURE", "H100-SXM", "US"), "lambda": ("gpu_
             "vast": ("8x-H100_SXM-32-65536", "H100", "Vietnam, VN, AS")}
 
 
-def _handle(cluster: str, cloud: str) -> Any:
+def _handle(cluster: str, cloud: str, full: bool = True) -> Any:
+    """A real handle; ``full`` (needs the seeded catalogs) with instance type and region."""
     import sky
     from sky.backends import cloud_vm_ray_backend
 
     it, accel, region = INSTANCE[cloud]
-    res = sky.Resources(infra=f"{cloud}/{region}", accelerators={accel: 8}, instance_type=it)
+    res = (sky.Resources(infra=f"{cloud}/{region}", accelerators={accel: 8}, instance_type=it) if full
+           else sky.Resources(infra=cloud))
     return cloud_vm_ray_backend.CloudVmRayResourceHandle(
         cluster_name=cluster, cluster_name_on_cloud=f"{cluster}-abcd", cluster_yaml=None,
         launched_nodes=1, launched_resources=res)
 
 
-def _over_http(name: str, value: Any) -> Any:
+def over_http(name: str, value: Any) -> Any:
     """What the client gets: the API server's encoder, JSON, the client's decoder."""
     from sky.server.requests.serializers import decoders, encoders
 
@@ -102,12 +104,12 @@ def _over_http(name: str, value: Any) -> Any:
     return decoders.get_decoder(name)(wire)
 
 
-def status_record(cluster: str, cloud: str, status: str, ever_up: bool = True) -> Any:
+def status_record(cluster: str, cloud: str, status: str, ever_up: bool = True, full_handle: bool = True) -> Any:
     from sky.schemas.api import responses
     from sky.utils import status_lib
 
     return responses.StatusResponse(
-        name=cluster, launched_at=int(time.time()), handle=_handle(cluster, cloud),
+        name=cluster, launched_at=int(time.time()), handle=_handle(cluster, cloud, full_handle),
         status=status_lib.ClusterStatus(status), autostop=3, to_down=True, cluster_hash="h",
         cluster_ever_up=ever_up, user_hash="u", user_name="dtrun-test", workspace="default",
         is_managed=False, resources_str=f"1x {CLOUD_CLASSES[cloud]}(H100:8)", nodes=1,
@@ -221,16 +223,16 @@ class SdkStandIn:
             job = self.next_job
             self.next_job += 1
             self.clusters[cluster] = {"cloud": cloud, "status": "UP", "jobs": {job: "RUNNING"}, "ever_up": True}
-            return _over_http("launch", (job, _handle(cluster, cloud)))
+            return over_http("launch", (job, _handle(cluster, cloud)))
         if op == "status":
             recs = [status_record(n, c["cloud"], c["status"], c["ever_up"]) for n, c in self.clusters.items()
                     if payload is None or n in payload]
-            return _over_http("status", recs)
+            return over_http("status", recs)
         if op == "queue":
             c = self.clusters.get(payload)
             if c is None:
                 raise exceptions.ClusterDoesNotExist(f"Cluster {payload!r} does not exist.")
-            return _over_http("queue", [job_record(j, s) for j, s in c["jobs"].items()])
+            return over_http("queue", [job_record(j, s) for j, s in c["jobs"].items()])
         if op == "down":
             if payload not in self.clusters:
                 raise exceptions.ClusterDoesNotExist(f"Cluster {payload!r} does not exist.")
