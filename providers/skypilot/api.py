@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,8 @@ def parse_queue(jobs: Any) -> list[JobRecord]:
     return [JobRecord(int(j["job_id"]), _enum_value(j["status"])) for j in jobs]
 
 
+HALF_DEAD_WAIT_SECONDS = 20.0
+"""How long a server process that holds the port may take to answer before it counts as half-dead."""
 _SERVER_LOCK = threading.Lock()
 _SERVER = {"checked": False, "started_by_dtrun": False}
 """One per process: every SkyAPI (one per cloud) shares the one local server."""
@@ -104,11 +107,25 @@ class SkyAPI:
             if not server_common.is_api_server_local():
                 _SERVER["checked"] = True  # a remote server (the user's `sky api login`)
                 return
-            info = server_common.get_api_server_status()
-            if info.status == server_common.ApiServerStatus.HEALTHY:
+            if self._healthy(server_common):
                 _SERVER["checked"] = True  # the user's, or another dtrun's: reused, never stopped
                 return
             import sky
+            from sky.client import sdk as sky_sdk
+
+            if sky_sdk._local_api_server_running():  # pylint: disable=protected-access
+                # A server process holds the port: one starting up answers within the wait; one
+                # that does not is half-dead, and starting another would fail on the port.
+                deadline = time.monotonic() + HALF_DEAD_WAIT_SECONDS
+                while time.monotonic() < deadline:
+                    time.sleep(1.0)
+                    if self._healthy(server_common):
+                        _SERVER["checked"] = True
+                        return
+                from providers.skypilot import HALF_DEAD
+
+                raise RuntimeError(f"{HALF_DEAD} (a SkyPilot API server process holds the port but has "
+                                   f"not answered for {HALF_DEAD_WAIT_SECONDS:.0f} s)")
 
             try:
                 sky.api_start()
@@ -118,6 +135,14 @@ class SkyAPI:
                 raise RuntimeError(f"{HALF_DEAD} (SkyPilot API server: {clean(str(e)).splitlines()[0]})") from None
             _SERVER["checked"] = True
             _SERVER["started_by_dtrun"] = True
+
+    @staticmethod
+    def _healthy(server_common: Any) -> bool:
+        try:
+            server_common.get_api_server_status_response.cache_clear()  # fresh, not a cached miss
+        except AttributeError:
+            pass
+        return server_common.get_api_server_status().status == server_common.ApiServerStatus.HEALTHY
 
     def close(self) -> None:
         """Stop the local API server if this process started it (idempotent)."""

@@ -369,14 +369,19 @@ def test_pending_cluster_is_pending(sky_offline, monkeypatch, credentials):
 # ---- the local API server ----------------------------------------------------------------------
 
 class _Server:
-    def __init__(self, monkeypatch, healthy: bool, start_error: str | None = None):
+    """SkyPilot's server checks and start/stop, replaced (a real server is never started here)."""
+
+    def __init__(self, monkeypatch, healthy: bool, start_error: str | None = None, port_held: bool = False):
         import sky
+        from sky.client import sdk as sky_sdk
         from sky.server import common as server_common
 
         from providers.skypilot import api as sky_api
 
         self.started = self.stopped = 0
         monkeypatch.setattr(sky_api, "_SERVER", {"checked": False, "started_by_dtrun": False})
+        monkeypatch.setattr(sky_api, "HALF_DEAD_WAIT_SECONDS", 0.0)
+        monkeypatch.setattr(sky_sdk, "_local_api_server_running", lambda *a, **k: port_held)
         monkeypatch.setattr(server_common, "is_api_server_local", lambda *a, **k: True)
         status = server_common.ApiServerStatus.HEALTHY if healthy else server_common.ApiServerStatus.UNHEALTHY
         monkeypatch.setattr(server_common, "get_api_server_status",
@@ -469,3 +474,15 @@ def test_a_cli_command_that_started_the_server_stops_it(monkeypatch):
     SkyAPI().ensure_server()  # e.g. `dtrun gc` listing SkyPilot clusters
     registry.close_all()
     assert (srv.started, srv.stopped) == (1, 1)
+
+
+def test_a_server_holding_the_port_without_answering_is_half_dead_without_a_second_start(monkeypatch):
+    from providers.skypilot import map_sky_error
+    from providers.skypilot.api import SkyAPI
+
+    srv = _Server(monkeypatch, healthy=False, port_held=True)
+    with pytest.raises(RuntimeError) as ei:
+        SkyAPI().ensure_server()
+    assert srv.started == 0
+    err = map_sky_error(ei.value, "vast")
+    assert isinstance(err, perr.Transient) and "sky api stop" in str(err)
