@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from orchestrator.contract.gpus import gpu_matches
 from providers import errors as perr
 from providers.base import (
     PREEMPT_EXIT_CODES,
@@ -388,7 +389,7 @@ class FakeProvider(Provider):
             templates = [FakeOfferTemplate(**o) for o in st["config"]["offers"]]
         out = []
         for t in templates:
-            if t.gpu != req.gpu:
+            if not gpu_matches(req.gpu, t.gpu):  # `H100` takes either variant, as on a real cloud
                 continue
             if (req.spot is True and not t.spot) or (req.spot is False and t.spot):
                 continue

@@ -275,8 +275,9 @@ class Setup:
 
 
 def _region(o: Any) -> str:
-    """The fake-cloud region standing for one real offer."""
-    return f"{o.provider}/{o.region}/{'spot' if o.spot else 'on-demand'}"
+    """The fake-cloud region standing for one real offer (a provider sells several GPU variants:
+    each is its own offer, so its own region)."""
+    return f"{o.provider}/{o.region}/{o.gpu}/{'spot' if o.spot else 'on-demand'}"
 
 
 def prepare(spec: JobSpec, preemptions_per_hour: float | None = None, every_override: int | None = None,
@@ -403,7 +404,10 @@ def run_once(setup: Setup, index: int, seed: int, max_ticks: int = 20000) -> Run
         job = store.get_job(spec.name) or {}
         end = job.get("finished_at") or clock.now()
         booked = store.spend_total(spec.name)
-        attempts = len(store.attempts(spec.name))
+        atts = store.attempts(spec.name)
+        attempts = len(atts)
+        # Offers the controller tried (a launch refused for capacity counts: it moved on).
+        tried = {str((a.get("offer") or {}).get("region")) for a in atts}
     finally:
         registry.unregister("fake")
         clock.on_advance.remove(sim.hook)
@@ -429,7 +433,7 @@ def run_once(setup: Setup, index: int, seed: int, max_ticks: int = 20000) -> Run
     return RunResult(state=state, reason=str(job.get("reason") or ""), wall_s=end - t0, cost_usd=cost,
                      booked_usd=booked, attempts=attempts, preemptions=sim.preemptions, lost_steps=sim.lost_steps,
                      soft_preemptions=sim.soft, soft_saved=sim.soft_saved, no_capacity=refused[0],
-                     offers_used=len({i.region for i in cloud.instances()}),
+                     offers_used=len(tried | {i.region for i in cloud.instances()}),
                      paid_s=paid, useful_s=useful, trained_paid_s=trained_paid, orphan_s=orphan,
                      steps=m.total_steps if state == "SUCCEEDED" else sim.committed)
 

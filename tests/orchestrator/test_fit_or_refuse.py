@@ -19,7 +19,9 @@ GPT2 = ROOT / "jobs" / "gpt2-124m.yaml"
 
 
 @pytest.fixture(autouse=True)
-def no_sky_catalog(tmp_path, monkeypatch):
+def no_sky_catalog(tmp_path, monkeypatch, provider_credentials):
+    # provider_credentials: every provider usable (offers from providers without credentials
+    # are refused, issue 10)
     monkeypatch.setenv("DTRUN_SKY_CATALOG_DIR", str(tmp_path / "no-catalogs"))
     monkeypatch.setenv("DTRUN_HOME", str(tmp_path / "home"))
 
