@@ -45,7 +45,7 @@ from orchestrator.run.recovery import FailoverStrategy, counted_attempts, preemp
 from orchestrator.plan.spec import JobSpec, spec_to_yaml
 from orchestrator.run.state import ACTIVE_STATES, HOST, TERMINAL_STATES, StateStore, dtrun_home
 from providers import errors as perr
-from providers.base import Handle, LaunchRequest, NodeState, Offer, OwnedInstance, Provider, Requirements
+from providers.base import Handle, LaunchRequest, NodeState, Offer, OwnedInstance, Provider
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BOOTSTRAP = REPO_ROOT / "infra" / "node_bootstrap.py"

@@ -7,8 +7,6 @@ server is started and nothing reaches the network.
 
 from __future__ import annotations
 
-import itertools
-import re
 
 import pytest
 import yaml
