@@ -177,6 +177,9 @@ class SdkStandIn:
         self.logs: dict[str, str] = {}
         self._pending: dict[str, tuple[str, Any]] = {}
         self.next_job = 1
+        self.hold_launch: Any = None
+        """A threading.Event: while set to one, ``sky.get`` of a launch waits for it (provisioning
+        in progress: the cluster is listed in INIT meanwhile, as SkyPilot lists it)."""
         monkeypatch.setitem(sky_api._SERVER, "checked", True)  # pylint: disable=protected-access
         for name in ("launch", "status", "queue", "down", "get", "tail_logs"):
             monkeypatch.setattr(sky, name, getattr(self, "_" + name))
@@ -191,6 +194,10 @@ class SdkStandIn:
 
     def _launch(self, task, **kw):
         self.calls.append(("launch", {"task": task, **kw}))
+        if self.hold_launch is not None:
+            res = list(task.resources)[0]
+            cloud = str(res.cloud).lower() if res.cloud is not None else "runpod"
+            self.clusters[kw["cluster_name"]] = {"cloud": cloud, "status": "INIT", "jobs": {}, "ever_up": False}
         return self._req("launch", (task, kw))
 
     def _status(self, names, refresh):
@@ -215,6 +222,11 @@ class SdkStandIn:
         op, payload = self._pending.pop(rid)
         if self.errors.get(op):
             raise self.errors[op].pop(0)
+        if op == "launch" and self.hold_launch is not None:
+            assert self.hold_launch.wait(30.0), "the test never released the launch"
+            if payload[1]["cluster_name"] not in self.clusters:  # taken down while provisioning
+                raise exceptions.ResourcesUnavailableError(
+                    f"Failed to provision {payload[1]['cluster_name']}: the cluster was terminated")
         if op == "launch":
             task, kw = payload
             cluster = kw["cluster_name"]

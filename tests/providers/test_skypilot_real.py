@@ -484,3 +484,42 @@ def test_a_server_holding_the_port_without_answering_is_half_dead_without_a_seco
     assert srv.started == 0
     err = map_sky_error(ei.value, "vast")
     assert isinstance(err, perr.Transient) and "sky api stop" in str(err)
+
+
+def test_dtrun_down_during_a_skypilot_launch_takes_the_cluster_down(sky_offline, monkeypatch, credentials, tmp_path):
+    """The controller's generic in-flight cancel, on SkyPilot: the cluster SkyPilot lists in INIT
+    while it provisions is found by name (``list_owned``) and taken down (``sky.down``)."""
+    import threading
+
+    from orchestrator.plan.spec import parse_spec
+    from orchestrator.run.clock import VirtualClock
+    from orchestrator.run.controller import Controller
+    from orchestrator.run.state import StateStore
+    from providers.skypilot import SkyPilotProvider
+
+    sdk = SdkStandIn(monkeypatch)
+    sdk.hold_launch = threading.Event()
+    spec = parse_spec({
+        "name": "dn", "resources": {"providers": ["lambda"], "gpu": "H100", "gpus_per_node": 8},
+        "trainer": {"model": "tiny", "steps": 10, "batch_size": 8, "seq_len": 64},
+        "checkpoint": {"uri": f"file://{tmp_path}/run", "preflight": False}, "budget": {"max_usd": 1000},
+        "recovery": {"poll_seconds": 30}})
+    monkeypatch.setattr("orchestrator.run.controller.ON_THIS_MACHINE", ("local", "fake", "lambda"))
+    store = StateStore(tmp_path / "s.db")
+    c = Controller(spec, store, clock=VirtualClock(), providers={"lambda": SkyPilotProvider("lambda")},
+                   write_lease=False, launch_wait_seconds=0.05)
+    ticks = []
+
+    def on_tick(ctl):
+        ticks.append(ctl.state)
+        if len(ticks) == 2:
+            assert ctl.inflight is not None and "dtrun-dn-a1" in sdk.clusters  # still provisioning
+            store.request_action("dn", "stop")
+
+    try:
+        assert c.run(on_tick=on_tick) == "CANCELLED"
+    finally:
+        sdk.hold_launch.set()
+    assert ("down", "dtrun-dn-a1") in sdk.calls and sdk.clusters == {}
+    (node,) = store.nodes("dn")
+    assert node["terminated_at"] is not None
