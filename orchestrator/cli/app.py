@@ -182,6 +182,81 @@ def profile(
     raise typer.Exit(cmd_profile(job, steps, json_out))
 
 
+data_app = typer.Typer(help="Prepare training data: token shards, a validation split, a manifest.",
+                       no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+def data_prepare(
+    source: Annotated[str, typer.Argument(help="Text/JSONL/Parquet file, folder or glob; a datasets folder "
+                                         "(save_to_disk) or hf:NAME[:SPLIT].", show_default=False)],
+    out: Annotated[str, typer.Option("--out", help="Output folder or URI (s3://…).", show_default=False)],
+    tokenizer: Annotated[str, typer.Option(help="gpt2 (tiktoken), a tokenizer.json path, or a cached HF repo id.")] = "gpt2",
+    val_tokens: Annotated[int, typer.Option(help="Tokens held out for validation.")] = 1_000_000,
+    shard_tokens: Annotated[int, typer.Option(help="Tokens per shard file.")] = 100_000_000,
+    workers: Annotated[Optional[int], typer.Option(help="Tokenizer processes (default: every core).")] = None,
+    text_field: Annotated[str, typer.Option(help="JSONL field / Parquet column holding the text.")] = "text",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+) -> None:
+    """Tokenize a corpus into llm.c shards with a validation split and a manifest (resumable)."""
+    from orchestrator.cli.data import cmd_prepare
+
+    raise typer.Exit(cmd_prepare(source, out, tokenizer, val_tokens, shard_tokens, workers, text_field, quiet))
+
+
+@data_app.command("tokenizer")
+def data_tokenizer(
+    source: Annotated[str, typer.Argument(help="Text files (folder, file or glob).", show_default=False)],
+    out: Annotated[str, typer.Option("--out", help="Where to write tokenizer.json.", show_default=False)],
+    vocab_size: Annotated[int, typer.Option(help="Vocabulary size.")] = 4096,
+) -> None:
+    """Train a byte-level BPE tokenizer on a corpus (seconds for a few MB); use it with --tokenizer."""
+    from orchestrator.cli.data import cmd_tokenizer
+
+    raise typer.Exit(cmd_tokenizer(source, vocab_size, out))
+
+
+@app.command()
+def weights(
+    job: Annotated[str, typer.Argument(help="Job name (or its job.yaml).", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", help="Output folder.", show_default=False)],
+    step: Annotated[Optional[int], typer.Option(help="Checkpoint step (default: newest COMMITTED).")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="safetensors (dtrun names) or hf (transformers).")] = "safetensors",
+) -> None:
+    """Write the model's weights (no optimizer state) from a checkpoint, tensor by tensor."""
+    from orchestrator.cli.weights import cmd_weights
+
+    raise typer.Exit(cmd_weights(job, out, step, fmt))
+
+
+@app.command()
+def sample(
+    job: Annotated[str, typer.Argument(help="Job name (or its job.yaml).", show_default=False)],
+    prompt: Annotated[str, typer.Option(help="Text to continue.")] = "",
+    tokens: Annotated[int, typer.Option(help="Tokens to generate per sample.")] = 64,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (0: greedy).")] = 0.8,
+    step: Annotated[Optional[int], typer.Option(help="Checkpoint step (default: newest COMMITTED).")] = None,
+    num: Annotated[int, typer.Option("--num", "-n", help="Samples.")] = 3,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    """Generate a few lines of text from a checkpoint with the data's tokenizer (CPU or GPU)."""
+    from orchestrator.cli.sample import cmd_sample
+
+    raise typer.Exit(cmd_sample(job, prompt, tokens, temperature, step, num, seed))
+
+
+@app.command()
+def report(
+    job: Annotated[str, typer.Argument(help="Job name.", show_default=False)],
+    out: Annotated[Optional[Path], typer.Option("--out", help="HTML file (default: ~/.dtrun/reports/JOB/report.html).")] = None,
+) -> None:
+    """One self-contained HTML report (and PNGs): loss curves, throughput, spend, attempts."""
+    from orchestrator.cli.report import cmd_report
+
+    raise typer.Exit(cmd_report(job, out))
+
+
 def _click_errors() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
     """(Exit, ClickException, Abort) classes: click's, and typer's own (typer ≥ 0.20 vendors click
     as ``typer._click`` and raises those, which click's classes do not catch)."""

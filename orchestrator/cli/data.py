@@ -1,0 +1,89 @@
+"""``dtrun data prepare`` and ``dtrun data tokenizer``: parse, call ``trainer.prepare``, print.
+
+Exit codes: 0 done, 2 bad input (unknown tokenizer, empty corpus, unreadable file; nothing is
+left half-written under ``--out``), 130 interrupted (finished shards are kept: rerun to resume).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from orchestrator.contract.errors import EXIT_OK, UsageError
+
+
+def cmd_prepare(source: str, out: str, tokenizer: str, val_tokens: int, shard_tokens: int, workers: int | None,
+                text_field: str, quiet: bool) -> int:
+    from trainer.prepare import PrepareError, prepare
+    from trainer.tokenizer import TokenizerError
+
+    bar = _Bar(enabled=not quiet)
+    try:
+        with bar:
+            m = prepare(source, out, tokenizer=tokenizer, val_tokens=val_tokens, shard_tokens=shard_tokens,
+                        workers=workers, text_field=text_field, on_progress=bar.update)
+    except (PrepareError, TokenizerError) as e:
+        raise UsageError(f"data prepare: {e}; nothing written under {out}") from None
+    print(f"{out}: {m['train']['tokens']:,} training tokens in {len(m['train']['shards'])} shard(s), "
+          f"{m['val']['tokens']:,} validation tokens, {m['documents']:,} documents; tokenizer "
+          f"{m['tokenizer']['name']} (vocabulary {m['vocab_size']:,}, {m['dtype']})")
+    print(f"  train on it with   trainer: {{data: {out}}}   (validation shards are found beside it)")
+    return EXIT_OK
+
+
+def cmd_tokenizer(source: str, vocab_size: int, out: str) -> int:
+    from trainer.prepare import PrepareError, plan_units
+    from trainer.tokenizer import TokenizerError, train_bpe
+
+    try:
+        units, _, _ = plan_units(source)
+        files = sorted({u.path for u in units if u.kind == "text"})
+        if not files:
+            raise PrepareError(f"{source}: training a tokenizer reads text files (.txt, .md)")
+        t0 = time.monotonic()
+        tok = train_bpe(files, vocab_size, out)
+    except (PrepareError, TokenizerError) as e:
+        raise UsageError(f"data tokenizer: {e}") from None
+    print(f"{out}: byte-level BPE, vocabulary {tok.vocab_size:,}, trained on {len(files)} file(s) in "
+          f"{time.monotonic() - t0:.1f} s")
+    return EXIT_OK
+
+
+class _Bar:
+    """A rich progress bar over input bytes: documents, tokens, MB/s, ETA (plain lines without a terminal)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.t0 = time.monotonic()
+        self.progress = None
+        self.task = None
+        self._last = 0.0
+
+    def __enter__(self):
+        if self.enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("tokenizing"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                                     TextColumn("{task.fields[info]}"), TextColumn("ETA"), TimeRemainingColumn(),
+                                     console=Console(stderr=True))
+            self.task = self.progress.add_task("prepare", total=None, info="")
+            self.progress.__enter__()
+        return self
+
+    def __exit__(self, *a):
+        if self.progress is not None:
+            self.progress.__exit__(*a)
+
+    def update(self, p) -> None:
+        if not self.enabled:
+            return
+        dt = max(1e-9, time.monotonic() - self.t0)
+        info = f"{p.docs:,} docs · {p.tokens:,} tokens · {p.bytes_done / dt / 1e6:.1f} MB/s · {p.shards} shard(s)"
+        if self.progress is not None:
+            self.progress.update(self.task, total=p.bytes_total, completed=p.bytes_done, info=info)
+        elif time.monotonic() - self._last >= 5 or p.bytes_done >= p.bytes_total:
+            self._last = time.monotonic()
+            pct = 100 * p.bytes_done / p.bytes_total if p.bytes_total else 0
+            sys.stderr.write(f"tokenizing {pct:5.1f}%  {info}\n")
+            sys.stderr.flush()
