@@ -99,7 +99,10 @@ class ShardSource:
                 files = [path] if fs.exists(path) else []
         except Exception as e:  # noqa: BLE001 - any storage error here is a config problem
             raise ConfigError(f"trainer.data: cannot list {uri}: {e}") from None
-        files = sorted(files)
+        from trainer.shards import is_validation
+
+        # validation shards (val_*.bin from `dtrun data prepare`, llm.c's *_val_*) never train
+        files = sorted(f for f in files if not is_validation(f) and not f.endswith((".json", ".tmp")))
         if not files:
             raise ConfigError(f"trainer.data: no .bin or .npy token shards at {uri}")
         self.shards = []

@@ -69,7 +69,7 @@ def peak_flops_for_name(device_name: str) -> float | None:
 class Metrics:
     def __init__(self, run_uri: str, *, rank: int, steps: int, world_size: int, tokens_per_step: int,
                  flops_per_token: float, peak_flops_per_rank: float | None, heartbeat_s: float, log_every: int,
-                 stall_s: float | None = None):
+                 stall_s: float | None = None, trackers: Any = None):
         self.run_uri, self.rank, self.steps, self.world_size = run_uri, rank, steps, world_size
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak = peak_flops_per_rank
@@ -79,6 +79,8 @@ class Metrics:
         self._win_t, self._win_step = time.perf_counter(), None
         self.tokens_per_s = 0.0
         self.mfu: float | None = None
+        self.val_loss: float | None = None  # the newest validation loss (progress.json, DONE)
+        self.trackers = trackers if rank == 0 else None
         # Storage writes run on one background thread (rank 0): on S3 a metrics.jsonl "append" is a
         # GET + PUT of the whole file, which must not stall the training loop (and, through the
         # next all-reduce, every rank). Rows queued while a write is in flight go out together.
@@ -148,7 +150,7 @@ class Metrics:
                           "tokens_per_s": round(self.tokens_per_s, 2), "mfu": self.mfu,
                           "last_committed_step": c["last_committed"], "time": now, "attempt": self.attempt,
                           "world_size": self.world_size, "status": c["status"], "phase": self.phase,
-                          **c["extra"]}
+                          "val_loss": self.val_loss, **c["extra"]}
         try:
             self._io.submit(self._write_progress)
         except RuntimeError:  # close() already shut the writer down
@@ -197,6 +199,26 @@ class Metrics:
             self._hb_thread.join()
         if self._io is not None:
             self._io.shutdown(wait=True)
+        if self.trackers is not None:
+            self.trackers.close()
+
+    def _track(self, step: int, values: dict[str, Any]) -> None:
+        if self.trackers is not None and self.trackers.items:
+            self._io.submit(_track_now, self.trackers, step, values)
+
+    def eval(self, step: int, val_loss: float) -> None:
+        """A validation loss after ``step`` steps: a metrics.jsonl row, progress.json, trackers (rank 0)."""
+        if self.rank != 0:
+            return
+        self.val_loss = val_loss
+        row = {"step": step, "val_loss": round(val_loss, 6), "tokens": step * self.tokens_per_step,
+               "time": time.time(), "attempt": self.attempt}
+        log.info("step %d/%d val_loss %.4f", step, self.steps, val_loss)
+        with self._lock:
+            self._rows.append(_json(row))
+        self._io.submit(self._append_rows)
+        self._track(step, {"val/loss": val_loss})
+        self._heartbeat(True)
 
     def step(self, step: int, loss: float, grad_norm: float, lr: float, last_committed: int | None) -> None:
         """Called on every rank after each step (``step`` = completed steps)."""
@@ -205,17 +227,24 @@ class Metrics:
         if step % self.log_every == 0 or step == self.steps:
             self._rate(step)
             row = {"step": step, "loss": round(loss, 6), "grad_norm": round(grad_norm, 6), "lr": lr,
-                   "tokens_per_s": round(self.tokens_per_s, 2), "mfu": self.mfu, "time": time.time()}
+                   "tokens_per_s": round(self.tokens_per_s, 2), "mfu": self.mfu, "time": time.time(),
+                   "tokens": step * self.tokens_per_step, "attempt": self.attempt}
             mfu = f" mfu {self.mfu:.1%}" if self.mfu is not None else ""
             log.info("step %d/%d loss %.4f grad_norm %.3f lr %.3g tok/s %.0f%s", step, self.steps, loss,
                      grad_norm, lr, self.tokens_per_s, mfu)
             with self._lock:
                 self._rows.append(_json(row))
             self._io.submit(self._append_rows)
+            self._track(step, {"train/loss": loss, "train/grad_norm": grad_norm, "train/lr": lr,
+                               "perf/tokens_per_s": self.tokens_per_s, "perf/mfu": self.mfu})
         with self._lock:
             self._activity = time.monotonic()
         # The first completed step of this attempt ends first_step (compilation, warm-up).
         self.progress(step, loss, last_committed, phase="training" if self.phase == "first_step" else None)
+
+
+def _track_now(trackers: Any, step: int, values: dict[str, Any]) -> None:
+    trackers.log(step, values)
 
 
 def _json(obj: Any) -> str:

@@ -101,6 +101,18 @@ def _stop_poller(uri: str, flags: _Flags, done: threading.Event) -> None:
         done.wait(0.5)
 
 
+def check_data_vocab(data: str, vocab_size: int) -> None:
+    """A job whose model vocabulary is smaller than its data's tokenizer (the ``data prepare``
+    manifest beside ``trainer.data``) is refused: its token ids would index past the embedding."""
+    from trainer.prepare import read_manifest
+
+    m = read_manifest(data)
+    if m and int(m.get("vocab_size") or 0) > vocab_size:
+        raise ConfigError(f"trainer.model: vocab_size {vocab_size} is smaller than the data's tokenizer "
+                          f"({(m.get('tokenizer') or {}).get('name')}, {m['vocab_size']} tokens, manifest of "
+                          f"{data}); use a model with vocab_size ≥ {m['vocab_size']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [rank{}] %(levelname)s %(message)s".format(
         os.environ.get("RANK", "0")), stream=sys.stdout)
@@ -150,6 +162,15 @@ class Run:
 
             if importlib.util.find_spec("torchao") is None:
                 raise ConfigError("trainer.fp8: true needs torchao (pip install torchao); it is not installed")
+        check_data_vocab(t.data, ms.vocab_size)
+        import importlib.util
+
+        for tracker, mod in (("tensorboard", "tensorboardX"), ("wandb", "wandb")):
+            if tracker in t.trackers and importlib.util.find_spec(mod) is None:
+                raise ConfigError(f"trainer.trackers: {tracker} needs the {mod} package (pip install {mod})")
+        if t.eval_every and t.val_data is None and t.data == "synthetic":
+            raise ConfigError("trainer.eval_every needs validation shards: set trainer.val_data or train on "
+                              "`dtrun data prepare` output (its val_*.bin shards are used)")
         self.dims, self.mb = dims, mb
         return self._run_distributed()
 
@@ -188,6 +209,17 @@ class Run:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
+    def _trackers(self):
+        t = self.spec.trainer
+        if not t.trackers or self.rank != 0:
+            return None
+        from trainer.trackers import Trackers
+
+        return Trackers(t.trackers, run_uri=self.run_uri, job=self.spec.name,
+                        attempt=int(os.environ.get("DTRUN_ATTEMPT", "0") or 0),
+                        config={"model": str(t.model), "steps": t.total_steps, "batch_size": t.batch_size,
+                                "seq_len": t.seq_len, "lr": t.lr, "world_size": self.world})
+
     def _start_heartbeat(self):
         """Metrics with the heartbeat thread running (phase ``starting``): from here on rank 0
         rewrites progress.json every ``trainer.heartbeat_seconds``, whatever the main thread is
@@ -198,7 +230,8 @@ class Run:
         metrics = Metrics(self.run_uri, rank=self.rank, steps=t.total_steps, world_size=self.world,
                           tokens_per_step=t.tokens_per_step, flops_per_token=t.model_spec.flops_per_token(t.seq_len),
                           peak_flops_per_rank=peak_flops(self.device.type), heartbeat_s=t.heartbeat_seconds,
-                          log_every=t.log_every, stall_s=self.spec.recovery.heartbeat_timeout_seconds / 2)
+                          log_every=t.log_every, stall_s=self.spec.recovery.heartbeat_timeout_seconds / 2,
+                          trackers=self._trackers())
         step, committed = 0, None
         if self.rank == 0:
             try:  # until the resume, report the step it will most likely resume from
@@ -252,6 +285,14 @@ class Run:
         source = build_source(t.data, t.seq_len, ms.vocab_size, t.seed)
         loader = DataLoader(source, global_batch=t.batch_size, micro_batch=self.mb, dp_rank=dp_rank,
                             dp=dims.dp, device=device)
+        from trainer.evaluate import Evaluator, validation_files
+
+        vf = validation_files(t.data, t.val_data)
+        if t.eval_every and vf is None:
+            raise ConfigError(f"trainer.eval_every: no validation shards (val_*.bin) beside {t.data}; set "
+                              f"trainer.val_data")
+        evaluator = (Evaluator(*vf, seq_len=t.seq_len, vocab_size=ms.vocab_size, eval_tokens=t.eval_tokens,
+                               micro_batch=self.mb, dp=dims.dp, dp_rank=dp_rank) if vf else None)
         describe = {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate}
         ckpt = CheckpointManager(self.run_uri, keep=spec.checkpoint.keep, async_mode=spec.checkpoint.async_mode,
                                  rank=self.rank, world_size=self.world, dp_rank=dp_rank, describe=describe)
@@ -364,6 +405,9 @@ class Run:
                     if ckpt.last_committed != step:
                         save(step, sync=True)
                     return finish(EXIT_DONE, "stopped")
+                if evaluator is not None and ((t.eval_every and step % t.eval_every == 0) or step == total):
+                    val = evaluator.evaluate(model, device, lambda: amp_context(device, param_dtype, meshes))
+                    metrics.eval(step, val)
                 due = (isinstance(every, int) and step % every == 0) or auto_now > 0
                 if due and step < total:
                     save(step)
@@ -384,6 +428,7 @@ class Run:
                     runuri.write_json(runuri.join(self.run_uri, runuri.DONE), {
                         "step": step, "loss": last_loss, "tokens": tokens, "time": time.time(),
                         "elapsed_s": time.time() - t_start, "param_digest": digest,
+                        "val_loss": metrics.val_loss,
                         "world_size": self.world, "checkpoint_stall_s": ckpt.stall_s,
                         "parallel": {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep},
                         # per rank, after the last optimizer step (None if this attempt ran no step)

@@ -88,7 +88,8 @@ def job_status(store: StateStore, job: dict) -> dict[str, Any]:
     end = job["finished_at"] if job["state"] in TERMINAL_STATES else time.time()
     return {
         "name": name, "state": job["state"], "reason": job["reason"], "step": job["step"],
-        "steps": job["steps"], "loss": job["loss"], "tokens_per_s": job["tokens_per_s"],
+        "steps": job["steps"], "loss": job["loss"], "val_loss": job.get("val_loss"),
+        "tokens_per_s": job["tokens_per_s"],
         "last_committed_step": job["last_committed_step"], "steps_lost": job["steps_lost"] or 0,
         "cost_usd": round(store.spend_total(name), 6), "budget_usd": job["budget_usd"],
         "estimate_usd": est.get("cost_usd") if isinstance(est, dict) else None,
@@ -125,7 +126,8 @@ def cmd_status(job: str | None, json_out: bool) -> int:
 def _print_status(st: dict[str, Any]) -> None:
     step = f"{st['step'] if st['step'] is not None else 0}/{st['steps'] or '?'}"
     print(f"{st['name']}: {st['state']}" + (f" ({st['reason'].splitlines()[0]})" if st["reason"] else ""))
-    print(f"  step {step}  loss {st['loss'] if st['loss'] is not None else '—'}  "
+    val = f"  val loss {st['val_loss']:.4f}" if st.get("val_loss") is not None else ""
+    print(f"  step {step}  loss {st['loss'] if st['loss'] is not None else '—'}{val}  "
           f"cost ${st['cost_usd']:.4f}" + (f" of ${st['budget_usd']:.2f}" if st["budget_usd"] else "")
           + f"  attempts {st['attempts']}  steps lost {st['steps_lost']}")
     if st["controller_pid"]:
@@ -134,6 +136,7 @@ def _print_status(st: dict[str, Any]) -> None:
         extra = f" pid {n['pid']} pgid {n['pgid']}" if n.get("pid") else ""
         print(f"  node {n['name']} [{n['provider']} {n['instance_id']}] {n['state']}{extra}")
     print(f"  run URI {st['run_uri']}")
+    print(f"  report: dtrun report {st['name']}")
 
 
 def cmd_ls(json_out: bool) -> int:

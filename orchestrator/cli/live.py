@@ -28,6 +28,7 @@ def snapshot(store: StateStore, name: str) -> dict[str, Any]:
     return {
         "state": job.get("state"), "reason": job.get("reason"), "step": job.get("step"),
         "steps": job.get("steps"), "loss": job.get("loss"), "tokens_per_s": job.get("tokens_per_s"),
+        "val_loss": job.get("val_loss"),
         "cost": store.spend_total(name), "budget": job.get("budget_usd"),
         "attempts": len([a for a in atts if a["n"] >= first]), "attempt": atts[-1]["n"] if atts else None,
         "committed": job.get("last_committed_step"), "steps_lost": job.get("steps_lost") or 0,
@@ -40,6 +41,8 @@ def progress_line(s: dict[str, Any]) -> str:
     parts = [f"{s['state']}", f"step {step}/{steps}"]
     if s["loss"] is not None:
         parts.append(f"loss {s['loss']:.4f}")
+    if s.get("val_loss") is not None:
+        parts.append(f"val {s['val_loss']:.4f}")
     if s["tokens_per_s"]:
         parts.append(f"{s['tokens_per_s']:,.0f} tok/s")
     parts.append(f"spend {_money(s['cost'])}" + (f" of {_money(s['budget'])}" if s["budget"] else ""))
@@ -103,13 +106,15 @@ class RichView:
         head = Text.assemble((f"{self.name} ", "bold"), (s["state"] or "", "cyan"),
                              (f"  {s['reason']}" if s["reason"] else "", "dim"))
         metrics = Text(f"loss {s['loss']:.4f}" if s["loss"] is not None else "loss —")
+        if s.get("val_loss") is not None:
+            metrics.append(f"   val loss {s['val_loss']:.4f}")
         metrics.append(f"   {s['tokens_per_s']:,.0f} tok/s" if s["tokens_per_s"] else "   — tok/s")
         spend = f"   spend {_money(s['cost'])}" + (f" / {_money(s['budget'])}" if s["budget"] else " (no budget cap)")
         metrics.append(spend, style="yellow" if s["budget"] and s["cost"] > 0.8 * s["budget"] else None)
         metrics.append(f"   attempts {s['attempts']}   last committed step {s['committed'] if s['committed'] is not None else '—'}")
         if s["steps_lost"]:
             metrics.append(f"   steps lost {s['steps_lost']}")
-        ev = Text("\n".join(self.events[-5:]), style="dim")
+        ev = Text("\n".join(self.events[-5:] + [f"report: dtrun report {self.name}"]), style="dim")
         return Group(head, self.progress, metrics, ev)
 
     def __enter__(self) -> "RichView":

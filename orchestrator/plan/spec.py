@@ -124,6 +124,17 @@ class Trainer(_Model):
     data: str = "synthetic"
     """Training data: synthetic (seeded random tokens, for tests) or a URI/path of token shards
     (uint16 .bin or .npy, read through fsspec; a directory or glob)."""
+    val_data: str | None = None
+    """Validation token shards (URI/path, a directory or glob). Default: the validation-named shards
+    (``val_*.bin``, as `dtrun data prepare` writes them) beside ``data``, if there are any."""
+    eval_every: int | None = Field(None, gt=0)
+    """Validation loss every N steps (and after the last step); null: only after the last step.
+    Needs validation shards (``val_data``)."""
+    eval_tokens: int = Field(65536, gt=0)
+    """Validation tokens per evaluation (read in order from the start of the validation shards)."""
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    """Optional experiment trackers: tensorboard (event files under <run-uri>/tensorboard/) and wandb
+    (needs the wandb package and WANDB_API_KEY in the node's environment; the key is never stored)."""
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     """Parameter/compute precision on GPU (FSDP2 mixed precision, fp32 reduce). CPU always runs fp32."""
     optimizer: Literal["adamw", "muon"] = "adamw"

@@ -771,6 +771,7 @@ class Controller:
         if prog is not None:
             step = prog.get("step")
             cols: dict[str, Any] = dict(step=step, loss=prog.get("loss"), tokens_per_s=prog.get("tokens_per_s"),
+                                        val_loss=prog.get("val_loss"),
                                         last_committed_step=prog.get("last_committed_step"),
                                         progress_time=prog.get("time"))
             if prog.get("steps"):

@@ -142,6 +142,8 @@ CREATE TABLE IF NOT EXISTS spend (
 );
 """
 
+_ADDED_JOB_COLS = (("val_loss", "REAL"),)  # newest validation loss (progress.json's val_loss)
+
 _JOB_COLS: set[str] = set()
 _ATTEMPT_COLS: set[str] = set()
 _NODE_COLS: set[str] = set()
@@ -217,6 +219,14 @@ class StateStore:
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(_SCHEMA)  # commits on its own: outside an explicit transaction
+        # columns added after a store was first created (ALTER TABLE once; older stores keep working)
+        have = {r[1] for r in self._conn.execute("PRAGMA table_info(jobs)")}
+        for col, decl in _ADDED_JOB_COLS:
+            if col not in have:
+                try:
+                    self._conn.execute(f"ALTER TABLE jobs ADD COLUMN {col} {decl}")
+                except sqlite3.OperationalError:  # another process added it first
+                    pass
         if self.path != ":memory:":
             for suffix in ("-wal", "-shm"):
                 try:
