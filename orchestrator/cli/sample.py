@@ -1,0 +1,28 @@
+"""``dtrun sample JOB``: parse, call ``trainer.sample``, print. Exit 2 when there is no
+COMMITTED checkpoint or the data's tokenizer cannot be loaded here; 6 no such job."""
+
+from __future__ import annotations
+
+from orchestrator.contract.errors import EXIT_OK, UsageError
+
+
+def cmd_sample(job: str, prompt: str, tokens: int, temperature: float, step: int | None, num: int, seed: int) -> int:
+    from orchestrator.cli.weights import data_manifest, resolve_job
+    from trainer.export import ExportError
+    from trainer.sample import samples
+    from trainer.tokenizer import TokenizerError, from_manifest
+
+    spec, run_uri = resolve_job(job)
+    manifest, data_dir = data_manifest(spec)
+    try:
+        tok = from_manifest(manifest, data_dir) if manifest else None
+        at, texts = samples(run_uri, spec.trainer.model_spec, tok, prompt=prompt, tokens=tokens,
+                            temperature=temperature, step=step, num=num, seed=seed)
+    except (ExportError, TokenizerError) as e:
+        raise UsageError(f"sample: {e}") from None
+    if tok is None:
+        print("(no data prepare manifest beside trainer.data: token ids shown)")
+    for i, t in enumerate(texts):
+        print(f"--- sample {i + 1} (step {at}, temperature {temperature}) ---")
+        print(t)
+    return EXIT_OK
