@@ -366,7 +366,10 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
     from orchestrator.plan.estimate import make_plan
     from orchestrator.plan.spec import load_spec
 
+    from orchestrator.run.datacheck import check_data_vocab
+
     written = load_spec(job)
+    check_data_vocab(written, str(job))
     # What the nodes run: auto resolved (degrees, micro-batch, checkpointing); the report judges
     # the spec as written (what auto was allowed to change).
     spec = run_spec(written)

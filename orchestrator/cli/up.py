@@ -240,7 +240,10 @@ def verdict_exit_code(spec: JobSpec, plan: Plan, report: dict[str, Any], strict:
 
 
 def cmd_dry_run(job: Path, json_out: bool, strict: bool = False, force: bool = False) -> int:
+    from orchestrator.run.datacheck import check_data_vocab
+
     spec = load_spec(job)
+    check_data_vocab(spec, str(job))
     plan = make_plan(run_spec(spec), usable_only=True)
     check_run_uri_reachable(spec, plan, str(job))
     report = plan_report(spec, plan)
