@@ -52,6 +52,9 @@ PARQUET_EXT = (".parquet",)
 STATE = "_prepare_state.json"
 MANIFEST = "manifest.json"
 FORMAT = "dtrun-shards/1"
+STOP_ENV = "DTRUN_DEBUG_PREPARE_EXIT_AFTER_SHARDS"
+"""Test-only knob: the process exits (code 99, like a kill) after writing this many shards."""
+EXIT_DEBUG_STOP = 99
 
 
 class PrepareError(ValueError):
@@ -379,6 +382,8 @@ def _run(units, desc, total_bytes, tok, o: _Out, state, cfg, val_tokens, shard_t
     n_train = sum(1 for s in state["shards"] if s["split"] == "train")
     prog = Progress(docs=state["docs"], tokens=val_done + train_done, bytes_done=state["bytes"],
                     bytes_total=total_bytes, shards=len(state["shards"]), skipped_units=start_unit)
+    base_docs, base_bytes = state["docs"], state["bytes"]
+    unit_stats: dict[int, tuple[int, int]] = {}  # unit index → (documents, input bytes), this run
     buf: list[list[Any]] = []  # [unit index, array, offset]
     buffered = 0
 
@@ -410,10 +415,17 @@ def _run(units, desc, total_bytes, tok, o: _Out, state, cfg, val_tokens, shard_t
         state["shards"].append({"name": name, "split": split, "tokens": int(n),
                                 "sha256": hashlib.sha256(data).hexdigest()})
         state["cursor"] = [buf[0][0], buf[0][2]] if buf else [next_unit, 0]
-        state["docs"], state["bytes"] = prog.docs, prog.bytes_done
+        # docs/bytes of the units wholly before the cursor (a rerun counts the cursor's unit again)
+        cu = state["cursor"][0]
+        state["docs"] = base_docs + sum(d for u, (d, _) in unit_stats.items() if u < cu)
+        state["bytes"] = base_bytes + sum(b for u, (_, b) in unit_stats.items() if u < cu)
         o.put(STATE, json.dumps(state).encode())
         prog.shards += 1
+        if stop_after and prog.shards - first_shards >= stop_after:
+            os._exit(EXIT_DEBUG_STOP)  # test knob: a kill right after a shard and its state were written
 
+    first_shards = prog.shards
+    stop_after = int(os.environ.get(STOP_ENV, "0") or 0)
     nworkers = max(1, min(workers or os.cpu_count() or 1, len(units) - start_unit or 1))
     todo = units[start_unit:]
     results = _results(todo, tok, text_field, nworkers)
@@ -425,6 +437,7 @@ def _run(units, desc, total_bytes, tok, o: _Out, state, cfg, val_tokens, shard_t
         else:
             buf.append([ui, arr, 0])
         buffered += len(arr)
+        unit_stats[ui] = (ndocs, nbytes)
         prog.docs += ndocs
         prog.bytes_done += nbytes
         prog.tokens += len(arr)
@@ -452,6 +465,7 @@ def _run(units, desc, total_bytes, tok, o: _Out, state, cfg, val_tokens, shard_t
         train_done += state["shards"][-1]["tokens"]
     if train_done == 0:
         raise PrepareError("the corpus tokenized to 0 training tokens (empty documents?)")
+    state["docs"] = base_docs + sum(d for d, _ in unit_stats.values())
     if on_progress:
         on_progress(prog)
     if tok.json_bytes is not None:

@@ -147,6 +147,8 @@ def _plots(d: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     if d["spend"]:
         t1 = max(t1, max(s["billed_until"] for s in d["spend"]))
     hx, usd = _spend_curve(d["spend"], t0, t1)
+    scale, unit = (1.0, "hours") if t1 - t0 >= 7200 else (60.0, "minutes")
+    hx = [h * scale for h in hx]
     ax.plot(hx, usd, color="tab:orange", label="spend")
     if job.get("budget_usd"):
         ax.axhline(job["budget_usd"], color="black", lw=1, label=f"budget ${job['budget_usd']:.2f}")
@@ -154,14 +156,14 @@ def _plots(d: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     if est.get("cost_usd") is not None:
         ax.axhline(est["cost_usd"], color="tab:blue", ls=":", lw=1.2, label=f"estimate ${est['cost_usd']:.4f}")
     for a in atts:
-        x = ((a.get("launched_at") or a["created"]) - t0) / 3600.0
+        x = ((a.get("launched_at") or a["created"]) - t0) / 3600.0 * scale
         pre = a.get("outcome") == "preempted"
         ax.axvline(x, color="grey", ls="--", lw=0.8)
         if pre and a.get("ended_at"):
-            ax.axvline((a["ended_at"] - t0) / 3600.0, color="red", lw=1.2)
-            ax.text((a["ended_at"] - t0) / 3600.0, 0, f" preempted (attempt {a['n']})", color="red", fontsize=7,
+            ax.axvline((a["ended_at"] - t0) / 3600.0 * scale, color="red", lw=1.2)
+            ax.text((a["ended_at"] - t0) / 3600.0 * scale, 0, f" preempted (attempt {a['n']})", color="red", fontsize=7,
                     rotation=90, va="bottom")
-    ax.set_xlabel("wall hours since start")
+    ax.set_xlabel(f"wall {unit} since start")
     ax.set_ylabel("USD")
     ax.set_title(f"{job['name']}: spend")
     ax.grid(alpha=0.3)
