@@ -98,7 +98,8 @@ def losses(run_uri: str) -> list[float]:
     from orchestrator.contract import runuri
 
     text = runuri.read_text(runuri.join(run_uri, "metrics.jsonl")) or ""
-    return [json.loads(line)["loss"] for line in text.splitlines() if line.strip()]
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [r["loss"] for r in rows if "loss" in r]  # validation rows carry val_loss only
 
 
 @pytest.fixture
