@@ -37,6 +37,10 @@ from orchestrator.contract import runuri
 from orchestrator.plan.presets import ModelSpec
 
 
+GROUP_BYTES = 256 << 20
+"""Checkpoint bytes read per ``dcp.load`` while exporting (the export's memory, beside one output tensor)."""
+
+
 class ExportError(ValueError):
     """The checkpoint or format cannot be exported (the message says why)."""
 
@@ -50,7 +54,8 @@ class _Out:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    make: Callable[[], torch.Tensor]
+    sources: tuple[str, ...]  # checkpoint tensors it is made of
+    fn: Callable[..., torch.Tensor] = lambda t: t  # sources → the output tensor
 
     @property
     def nbytes(self) -> int:
@@ -79,8 +84,11 @@ class _Reader:
         from trainer.checkpoint import _reader
 
         self.uri = uri
-        self._reader = _reader
-        md = _reader(uri).read_metadata().state_dict_metadata
+        # One reader, its metadata read once: dcp.load asks for it on every call (a GET each on S3).
+        self._rd = _reader(uri)
+        full = self._rd.read_metadata()
+        self._rd.read_metadata = lambda *a, **k: full
+        md = full.state_dict_metadata
         self.meta = {k[len("model."):]: v for k, v in md.items() if k.startswith("model.") and hasattr(v, "size")}
         if not self.meta:
             raise ExportError(f"{uri}: the checkpoint holds no model tensors")
@@ -91,23 +99,30 @@ class _Reader:
     def dtype(self, name: str) -> torch.dtype:
         return self.meta[name].properties.dtype
 
-    def load(self, name: str) -> torch.Tensor:
+    def nbytes(self, name: str) -> int:
+        if name.startswith("zeros:"):
+            return 0
+        return torch.empty(self.shape(name), dtype=self.dtype(name), device="meta").nbytes
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Full tensors for ``names`` (one ``dcp.load``: each shard file is read once per group)."""
+        import warnings
+
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultLoadPlanner
 
-        import warnings
-
-        t = torch.empty(self.shape(name), dtype=self.dtype(name))
-        sd = {"model": {name: t}}
+        sd = {"model": {n: torch.empty(self.shape(n), dtype=self.dtype(n)) for n in names}}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(sd, storage_reader=self._reader(self.uri), planner=DefaultLoadPlanner(allow_partial_load=True),
-                     no_dist=True)
-        return sd["model"][name]
+            dcp.load(sd, storage_reader=self._rd, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        return sd["model"]
 
 
-def write_safetensors(path: str, items: list[_Out], metadata: dict[str, str] | None = None) -> None:
-    """A safetensors file, streamed: header first, then each tensor's bytes in order."""
+def write_safetensors(path: str, items: list[_Out], reader: "_Reader", metadata: dict[str, str] | None = None,
+                      group_bytes: int = GROUP_BYTES) -> None:
+    """A safetensors file, streamed: header first, then each tensor's bytes in order. Source
+    tensors are read in groups of consecutive items up to ``group_bytes`` (one ``dcp.load`` each;
+    a single tensor larger than that is its own group): memory stays near ``group_bytes``."""
     header: dict[str, Any] = {"__metadata__": metadata or {}}
     off = 0
     for it in items:
@@ -119,12 +134,24 @@ def write_safetensors(path: str, items: list[_Out], metadata: dict[str, str] | N
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(hb)))
         f.write(hb)
-        for it in items:
-            t = it.make().to(it.dtype).contiguous()
-            if tuple(t.shape) != it.shape:
-                raise ExportError(f"{it.name}: shape {tuple(t.shape)}, planned {it.shape}")
-            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-            del t
+        i = 0
+        while i < len(items):
+            j, size, names = i, 0, []
+            while j < len(items) and (j == i or size + sum(reader.nbytes(n) for n in items[j].sources) <= group_bytes):
+                for n in items[j].sources:
+                    if n not in names:
+                        names.append(n)
+                        size += reader.nbytes(n)
+                j += 1
+            loaded = reader.load([n for n in names if not n.startswith("zeros:")])
+            for it in items[i:j]:
+                t = it.fn(*[loaded.get(n) for n in it.sources]).to(it.dtype).contiguous()
+                if tuple(t.shape) != it.shape:
+                    raise ExportError(f"{it.name}: shape {tuple(t.shape)}, planned {it.shape}")
+                f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                del t
+            del loaded
+            i = j
     os.replace(tmp, path)
 
 
@@ -141,13 +168,11 @@ def hf_arch(ms: ModelSpec) -> str | None:
 
 def _plan_dtrun(r: _Reader, ms: ModelSpec) -> list[_Out]:
     names = [n for n in r.meta if not (ms.tie_embeddings and n == "head.weight")]
-    return [_Out(n, r.shape(n), r.dtype(n), (lambda n=n: r.load(n))) for n in names]
+    return [_Out(n, r.shape(n), r.dtype(n), (n,)) for n in names]
 
 
 def _plan_llama(r: _Reader, ms: ModelSpec) -> list[_Out]:
-    m = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not ms.tie_embeddings:
-        m["head.weight"] = "lm_head.weight"
+    m = {"tok_emb.weight": "model.embed_tokens.weight"}
     for i in range(ms.n_layers):
         p, q = f"layers.{i}.", f"model.layers.{i}."
         for a, b in (("norm1", "input_layernorm"), ("norm2", "post_attention_layernorm")):
@@ -158,42 +183,45 @@ def _plan_llama(r: _Reader, ms: ModelSpec) -> list[_Out]:
             m[p + a + ".weight"] = q + b + ".weight"
             if ms.bias:
                 m[p + a + ".bias"] = q + b + ".bias"
+    m["norm.weight"] = "model.norm.weight"
+    if not ms.tie_embeddings:
+        m["head.weight"] = "lm_head.weight"
     missing = [k for k in m if k not in r.meta]
     if missing:
         raise ExportError(f"the checkpoint lacks {missing[:3]} for a Llama export")
-    return [_Out(b, r.shape(a), r.dtype(a), (lambda a=a: r.load(a))) for a, b in m.items()]
+    return [_Out(b, r.shape(a), r.dtype(a), (a,)) for a, b in m.items()]
 
 
 def _plan_gpt2(r: _Reader, ms: ModelSpec) -> list[_Out]:
     d, ff, dt = ms.d_model, ms.ff_dim, r.dtype("tok_emb.weight")
-    out = [_Out("transformer.wte.weight", r.shape("tok_emb.weight"), dt, lambda: r.load("tok_emb.weight")),
-           _Out("transformer.wpe.weight", r.shape("pos_emb.weight"), dt, lambda: r.load("pos_emb.weight"))]
 
-    def bias(name: str, n: int) -> Callable[[], torch.Tensor]:
-        return (lambda: r.load(name)) if name in r.meta else (lambda: torch.zeros(n, dtype=dt))
+    def src(name: str, n: int) -> str:  # an absent bias is written as zeros (GPT-2 always has them)
+        return name if name in r.meta else f"zeros:{n}"
 
-    def t(name: str) -> Callable[[], torch.Tensor]:
-        return lambda: r.load(name).t()
+    def fix(*ts: torch.Tensor | None, n: int = 0) -> list[torch.Tensor]:
+        return [t if t is not None else torch.zeros(n, dtype=dt) for t in ts]
 
+    out = [_Out("transformer.wte.weight", r.shape("tok_emb.weight"), dt, ("tok_emb.weight",)),
+           _Out("transformer.wpe.weight", r.shape("pos_emb.weight"), dt, ("pos_emb.weight",))]
     for i in range(ms.n_layers):
         p, q = f"layers.{i}.", f"transformer.h.{i}."
         for a, b in (("norm1", "ln_1"), ("norm2", "ln_2")):
-            out.append(_Out(q + b + ".weight", (d,), dt, (lambda n=p + a + ".weight": r.load(n))))
-            out.append(_Out(q + b + ".bias", (d,), dt, bias(p + a + ".bias", d)))
-        out.append(_Out(q + "attn.c_attn.weight", (d, 3 * d), dt,
-                        lambda p=p: torch.cat([r.load(p + f"attn.{w}.weight").t() for w in ("wq", "wk", "wv")], 1)))
-        out.append(_Out(q + "attn.c_attn.bias", (3 * d,), dt,
-                        lambda p=p: torch.cat([bias(p + f"attn.{w}.bias", d)() for w in ("wq", "wk", "wv")])))
-        out.append(_Out(q + "attn.c_proj.weight", (d, d), dt, t(p + "attn.wo.weight")))
-        out.append(_Out(q + "attn.c_proj.bias", (d,), dt, bias(p + "attn.wo.bias", d)))
-        out.append(_Out(q + "mlp.c_fc.weight", (d, ff), dt, t(p + "ffn.w1.weight")))
-        out.append(_Out(q + "mlp.c_fc.bias", (ff,), dt, bias(p + "ffn.w1.bias", ff)))
-        out.append(_Out(q + "mlp.c_proj.weight", (ff, d), dt, t(p + "ffn.w2.weight")))
-        out.append(_Out(q + "mlp.c_proj.bias", (d,), dt, bias(p + "ffn.w2.bias", d)))
-    out.append(_Out("transformer.ln_f.weight", (d,), dt, lambda: r.load("norm.weight")))
-    out.append(_Out("transformer.ln_f.bias", (d,), dt, bias("norm.bias", d)))
+            out.append(_Out(q + b + ".weight", (d,), dt, (p + a + ".weight",)))
+            out.append(_Out(q + b + ".bias", (d,), dt, (src(p + a + ".bias", d),), lambda t: fix(t, n=d)[0]))
+        out.append(_Out(q + "attn.c_attn.weight", (d, 3 * d), dt, tuple(p + f"attn.{w}.weight" for w in ("wq", "wk", "wv")),
+                        lambda a, b, c: torch.cat([a.t(), b.t(), c.t()], 1)))
+        out.append(_Out(q + "attn.c_attn.bias", (3 * d,), dt, tuple(src(p + f"attn.{w}.bias", d) for w in ("wq", "wk", "wv")),
+                        lambda a, b, c: torch.cat(fix(a, b, c, n=d))))
+        out.append(_Out(q + "attn.c_proj.weight", (d, d), dt, (p + "attn.wo.weight",), lambda t: t.t()))
+        out.append(_Out(q + "attn.c_proj.bias", (d,), dt, (src(p + "attn.wo.bias", d),), lambda t: fix(t, n=d)[0]))
+        out.append(_Out(q + "mlp.c_fc.weight", (d, ff), dt, (p + "ffn.w1.weight",), lambda t: t.t()))
+        out.append(_Out(q + "mlp.c_fc.bias", (ff,), dt, (src(p + "ffn.w1.bias", ff),), lambda t: fix(t, n=ff)[0]))
+        out.append(_Out(q + "mlp.c_proj.weight", (ff, d), dt, (p + "ffn.w2.weight",), lambda t: t.t()))
+        out.append(_Out(q + "mlp.c_proj.bias", (d,), dt, (src(p + "ffn.w2.bias", d),), lambda t: fix(t, n=d)[0]))
+    out.append(_Out("transformer.ln_f.weight", (d,), dt, ("norm.weight",)))
+    out.append(_Out("transformer.ln_f.bias", (d,), dt, (src("norm.bias", d),), lambda t: fix(t, n=d)[0]))
     if not ms.tie_embeddings:
-        out.append(_Out("lm_head.weight", r.shape("head.weight"), dt, lambda: r.load("head.weight")))
+        out.append(_Out("lm_head.weight", r.shape("head.weight"), dt, ("head.weight",)))
     return out
 
 
@@ -236,7 +264,7 @@ def export(run_uri: str, ms: ModelSpec, out_dir: str, *, step: int | None = None
                           f"({bad[0]}: checkpoint {got.get(bad[0])} vs model {want[bad[0]]})")
     plan = {"safetensors": _plan_dtrun, "llama": _plan_llama, "gpt2": _plan_gpt2}[arch or "safetensors"](r, ms)
     os.makedirs(out_dir, exist_ok=True)
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), plan,
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), plan, r,
                       {"format": "pt", "dtrun_step": str(step), "dtrun_run_uri": run_uri})
     eot = (manifest or {}).get("tokenizer", {}).get("eot") if manifest else None
     if arch is None:
@@ -309,8 +337,9 @@ def load_model_from_checkpoint(run_uri: str, ms: ModelSpec, step: int | None = N
     if missing:
         raise ExportError(f"{ck}: saved from a different model ({missing[0]} missing)")
     with torch.no_grad():
+        loaded = r.load(list(sd))
         for k, v in sd.items():
-            t = r.load(k)
+            t = loaded[k]
             if tuple(t.shape) != tuple(v.shape):
                 raise ExportError(f"{ck}: {k} is {tuple(t.shape)} in the checkpoint, {tuple(v.shape)} in the model")
             v.copy_(t)
