@@ -8,7 +8,7 @@ the ``datasets`` package; nothing is downloaded).
 
 How (deterministic, so a rerun writes the same bytes):
 
-1. *plan*: the sources are cut into work units of about ``UNIT_BYTES`` (text files at blank
+1. *plan*: the sources are cut into work units of about ``unit_bytes()`` (text files at blank
    lines, JSONL at line ends, Parquet by row group, datasets by row range), in a fixed order. Every
    file is opened here first: a missing, unreadable or empty input is an error before anything is
    written.
@@ -45,7 +45,12 @@ import numpy as np
 from trainer import shards
 from trainer.tokenizer import Tokenizer, TokenizerError, load, manifest_json
 
-UNIT_BYTES = 1 << 20
+UNIT_BYTES_ENV = "DTRUN_PREPARE_UNIT_BYTES"
+"""Work-unit size in bytes (default 1 MiB): the granularity of parallelism and of resuming."""
+
+
+def unit_bytes() -> int:
+    return int(os.environ.get(UNIT_BYTES_ENV) or (1 << 20))
 TEXT_EXT = (".txt", ".md", ".text", ".rst")
 JSONL_EXT = (".jsonl", ".json", ".ndjson")
 PARQUET_EXT = (".parquet",)
@@ -62,12 +67,16 @@ class PrepareError(ValueError):
 
 
 @dataclass(frozen=True)
-class Unit:
+class Seg:
+    """A piece of one source: a byte range of a text/JSONL file, a Parquet row group, dataset rows."""
     kind: str  # text | jsonl | parquet | hfdisk | hfname
     path: str
     a: int
     b: int
-    first: bool  # the unit starts a document (text files: only the first chunk)
+    first: bool  # the piece starts a document (text files: only the first chunk)
+
+
+Unit = tuple  # a work unit: consecutive Segs (small files grouped up to about unit_bytes())
 
 
 # ---- planning -------------------------------------------------------------------------------------
@@ -118,7 +127,7 @@ def _split_bytes(path: str, sep: bytes) -> list[tuple[int, int]]:
         raise PrepareError(f"{path}: cannot read ({e.strerror or e})") from None
     out, a, n = [], 0, len(data)
     while a < n:
-        b = min(n, a + UNIT_BYTES)
+        b = min(n, a + unit_bytes())
         if b < n:
             j = data.find(sep, b)
             b = n if j < 0 else j + len(sep)
@@ -129,14 +138,14 @@ def _split_bytes(path: str, sep: bytes) -> list[tuple[int, int]]:
 
 def plan_units(source: str, text_field: str = "text") -> tuple[list[Unit], list[dict[str, Any]], int]:
     """(units, source descriptions for the manifest, total input bytes)."""
-    units: list[Unit] = []
+    segs: list[Seg] = []
     desc: list[dict[str, Any]] = []
     total = 0
     for kind, path in _list_sources(source):
         if kind in ("text", "jsonl"):
             ranges = _split_bytes(path, b"\n\n" if kind == "text" else b"\n")
             size = ranges[-1][1] if ranges else 0
-            units += [Unit(kind, path, a, b, first=(kind == "jsonl" or i == 0)) for i, (a, b) in enumerate(ranges)]
+            segs += [Seg(kind, path, a, b, first=(kind == "jsonl" or i == 0)) for i, (a, b) in enumerate(ranges)]
         elif kind == "parquet":
             try:
                 import pyarrow.parquet as pq
@@ -150,19 +159,33 @@ def plan_units(source: str, text_field: str = "text") -> tuple[list[Unit], list[
                 raise PrepareError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
                                    f"use --text-field")
             size = os.path.getsize(path)
-            units += [Unit(kind, path, g, g + 1, True) for g in range(pf.num_row_groups)]
+            segs += [Seg(kind, path, g, g + 1, True) for g in range(pf.num_row_groups)]
         else:
             ds = _open_dataset(kind, path)
             if text_field not in ds.column_names:
                 raise PrepareError(f"{path}: no column {text_field!r} (columns: {', '.join(ds.column_names)})")
             n = len(ds)
             step = 2000
-            units += [Unit(kind, path, a, min(n, a + step), True) for a in range(0, n, step)]
+            segs += [Seg(kind, path, a, min(n, a + step), True) for a in range(0, n, step)]
             size = int(getattr(ds, "data", None).nbytes) if getattr(ds, "data", None) is not None else n * 1000
         desc.append({"path": os.path.abspath(path) if kind != "hfname" else path, "kind": kind, "bytes": size})
         total += size
-    if total == 0 or not units:
+    if total == 0 or not segs:
         raise PrepareError(f"{source}: the corpus is empty (0 bytes of text)")
+    # Group consecutive small text/JSONL pieces into units of about UNIT_BYTES: one task per
+    # thousands of tiny files would spend the time in inter-process traffic, not in tokenizing.
+    units: list[Unit] = []
+    cur: list[Seg] = []
+    size = 0
+    for sg in segs:
+        byte_kind = sg.kind in ("text", "jsonl")
+        if cur and (not byte_kind or size + (sg.b - sg.a) > unit_bytes()):
+            units.append(tuple(cur))
+            cur, size = [], 0
+        cur.append(sg)
+        size += sg.b - sg.a if byte_kind else unit_bytes()
+    if cur:
+        units.append(tuple(cur))
     return units, desc, total
 
 
@@ -203,7 +226,7 @@ def _init_worker(tok_name: str, tok_json: bytes | None, text_field: str) -> None
     _W["field"] = text_field
 
 
-def _docs(u: Unit, field: str) -> list[str]:
+def _docs(u: Seg, field: str) -> list[str]:
     if u.kind in ("text", "jsonl"):
         try:
             with open(u.path, "rb") as f:
@@ -241,19 +264,30 @@ def _docs(u: Unit, field: str) -> list[str]:
     return [c for c in ds[u.a:u.b][field] if isinstance(c, str)]
 
 
-def _encode_unit(u: Unit) -> tuple[np.ndarray, int, int]:
+def _encode_unit(unit: Unit) -> tuple[np.ndarray, int, int]:
     """(tokens as uint32, documents, input bytes) for one unit."""
     tok: Tokenizer = _W["tok"]
-    docs = _docs(u, _W["field"])
+    docs: list[str] = []
+    starts: list[bool] = []  # does an end-of-text token precede this text?
+    ndocs = nbytes = 0
+    for sg in unit:
+        d = _docs(sg, _W["field"])
+        docs += d
+        if sg.kind == "text":
+            starts += [sg.first] * len(d)
+            ndocs += 1 if sg.first else 0
+        else:
+            starts += [True] * len(d)
+            ndocs += len(d)
+        nbytes += sg.b - sg.a if sg.kind in ("text", "jsonl") else 0
     ids = tok.encode_batch(docs) if docs else []
     parts = []
-    for i, d in enumerate(ids):
-        if tok.eot is not None and (u.first or i > 0):
+    for st, d in zip(starts, ids):
+        if tok.eot is not None and st:
             parts.append(np.array([tok.eot], dtype=np.uint32))
         parts.append(np.asarray(d, dtype=np.uint32))
     arr = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
-    ndocs = len(docs) if (u.first or u.kind != "text") else 0
-    return arr, ndocs, u.b - u.a if u.kind in ("text", "jsonl") else 0
+    return arr, ndocs, nbytes
 
 
 # ---- output -------------------------------------------------------------------------------------
@@ -316,7 +350,7 @@ def _config_hash(desc: list[dict[str, Any]], tok: Tokenizer, shard_tokens: int, 
         p = d["path"]
         st = os.stat(p) if os.path.exists(p) else None
         stat.append([p, d["bytes"], st.st_mtime_ns if st else None])
-    blob = json.dumps([stat, tok.sha256, shard_tokens, val_tokens, text_field, UNIT_BYTES], sort_keys=True)
+    blob = json.dumps([stat, tok.sha256, shard_tokens, val_tokens, text_field, unit_bytes()], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

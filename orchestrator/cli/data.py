@@ -37,7 +37,7 @@ def cmd_tokenizer(source: str, vocab_size: int, out: str) -> int:
 
     try:
         units, _, _ = plan_units(source)
-        files = sorted({u.path for u in units if u.kind == "text"})
+        files = sorted({sg.path for u in units for sg in u if sg.kind == "text"})
         if not files:
             raise PrepareError(f"{source}: training a tokenizer reads text files (.txt, .md)")
         t0 = time.monotonic()

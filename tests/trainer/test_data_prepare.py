@@ -20,7 +20,7 @@ import pytest
 
 from orchestrator.cli.app import main as dtrun
 from trainer import shards
-from trainer.prepare import EXIT_DEBUG_STOP, MANIFEST, STATE, STOP_ENV, prepare
+from trainer.prepare import EXIT_DEBUG_STOP, MANIFEST, STATE, STOP_ENV, UNIT_BYTES_ENV, prepare
 from trainer.tokenizer import load, train_bpe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,7 +129,8 @@ def _prepare_cli(args: list[str], env: dict | None = None) -> subprocess.Complet
                           capture_output=True, text=True, timeout=300)
 
 
-def test_interrupted_prepare_resumes_to_the_same_bytes(corpus, tmp_path):
+def test_interrupted_prepare_resumes_to_the_same_bytes(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv(UNIT_BYTES_ENV, "8192")  # many work units in this small corpus
     args = [str(corpus["src"]), "--tokenizer", corpus["tok"], "--val-tokens", "1000", "--shard-tokens", "2500",
             "--workers", "2", "-q"]
     clean = tmp_path / "clean"
