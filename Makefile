@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench clean
+.PHONY: demo demo-synthetic test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,8 +12,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[all,test]'
 	touch $(STAMP)
 
+# From a folder of text to a model transformers loads (CPU, a few minutes): a corpus of this
+# Python's standard-library docstrings, a tokenizer trained on it, shards with a validation split,
+# the quickstart trained on them with validation loss, then a sample, the weights and the report.
+DTRUN := $(VENV)/bin/dtrun
 demo: $(STAMP)
-	$(VENV)/bin/dtrun up jobs/quickstart.yaml --yes
+	$(PY) examples/stdlib_corpus.py runs/demo/corpus
+	test -f runs/demo/tokenizer.json || $(DTRUN) data tokenizer runs/demo/corpus --vocab-size 2048 --out runs/demo/tokenizer.json
+	$(DTRUN) data prepare runs/demo/corpus --out runs/demo/data --tokenizer runs/demo/tokenizer.json --val-tokens 50000 --shard-tokens 1000000
+	$(DTRUN) up jobs/quickstart-text.yaml --yes
+	$(DTRUN) sample quickstart-text --prompt "Return the" --tokens 40 -n 2
+	$(DTRUN) weights quickstart-text --out runs/demo/model --format hf
+	$(DTRUN) report quickstart-text --out runs/demo/report/report.html
+
+demo-synthetic: $(STAMP)
+	$(DTRUN) up jobs/quickstart.yaml --yes
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -33,7 +33,9 @@ def build(out: Path, max_mb: float = 8.0) -> tuple[int, int]:
             continue
         text = "\n\n".join(docs) + "\n"
         name = "_".join(f.relative_to(lib).with_suffix("").parts) + ".txt"
-        (out / name).write_text(text, encoding="utf-8")
+        target = out / name
+        if not target.exists() or target.read_text(encoding="utf-8") != text:  # a rerun leaves files as they are
+            target.write_text(text, encoding="utf-8")
         files += 1
         total += len(text.encode())
         if total >= max_mb * 1e6:
