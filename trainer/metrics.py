@@ -1,7 +1,12 @@
 """Run-URI metrics written by rank 0: ``progress.json`` (heartbeat), ``metrics.jsonl``, a log line.
 
+``metrics.jsonl`` rows: training rows (step, loss, grad_norm, lr, tokens_per_s, mfu, tokens, attempt,
+time) every ``log_every`` steps, and validation rows (step, val_loss, tokens, attempt, time).
+Optional trackers (``trainer.trackers``) receive the same values from the writer thread.
+
 ``progress.json`` keys (contract): step, steps, loss, tokens_per_s, mfu (null on CPU),
-last_committed_step, time, attempt, world_size — plus ``status`` (training, done, stopped,
+last_committed_step, time, attempt, world_size, val_loss (the newest validation loss, null before
+the first evaluation) — plus ``status`` (training, done, stopped,
 preempted), ``phase`` (see ``PHASES``) and, when the trainer exits, ``exit_code``.
 
 The heartbeat is not tied to steps: from ``start_heartbeat`` on, a rank-0 thread rewrites

@@ -6,7 +6,8 @@ Layout under ``<run-uri>/``::
     checkpoints/step-<N>/COMMITTED   JSON: step, tokens, loss, world_size, parallel, time
     progress.json                    trainer heartbeat: step, steps, loss, tokens_per_s, mfu,
                                      last_committed_step, time, attempt
-    metrics.jsonl                    one JSON row per logged step
+    metrics.jsonl                    one JSON row per logged step (and per validation: val_loss)
+    tensorboard/                     event files, when trainer.trackers has tensorboard
     lease.json                       controller lease: {"expires": unix time, "controller": host/pid}
     STOP                             controller asks for a graceful stop (checkpoint, exit 0)
     DONE                             trainer finished: final metrics (JSON)
