@@ -4,7 +4,9 @@ Makes the checkpoint with the real trainer (torchrun, 4 CPU ranks, FSDP2 over gl
 so the checkpoint holds model + optimizer state sharded 4 ways, ≈1.5 GB on local disk), then runs
 ``dtrun weights`` as a child process for each format and reads the child's peak resident memory
 (``wait4`` rusage) beside the size of the model it wrote. A bare ``python -c "import torch"`` is
-measured too: the floor any torch process pays.
+measured too: the floor any torch process pays. Each format runs with the default read group
+(256 MB of checkpoint per ``dcp.load``) and with 32 MB (``DTRUN_EXPORT_GROUP_MB``): the memory
+follows the group (and the largest single tensor: the 154 MB embedding), not the model.
 
     .venv/bin/python benchmarks/bench_weights.py
 
@@ -58,12 +60,13 @@ def main() -> None:
                "make_checkpoint_s": round(t_train, 1), "load_average": os.getloadavg()[0]}
         _, rss_torch, _ = _run([sys.executable, "-c", "import torch"], env)
         res["python_import_torch_peak_rss_mb"] = round(rss_torch)
-        for fmt in ("safetensors", "hf"):
-            out = tmp / f"w-{fmt}"
+        for fmt, group_mb in (("safetensors", 256), ("hf", 256), ("safetensors", 32), ("hf", 32)):
+            out = tmp / f"w-{fmt}-{group_mb}"
             dt, rss, _ = _run([sys.executable, "-m", "orchestrator.cli", "weights", str(job), "--out", str(out),
-                               "--format", fmt], env)
-            res[f"{fmt}_s"] = round(dt, 1)
-            res[f"{fmt}_peak_rss_mb"] = round(rss)
+                               "--format", fmt], {**env, "DTRUN_EXPORT_GROUP_MB": str(group_mb)})
+            key = f"{fmt}_group{group_mb}mb"
+            res[f"{key}_s"] = round(dt, 1)
+            res[f"{key}_peak_rss_mb"] = round(rss)
             res[f"{fmt}_model_mb"] = round((out / "model.safetensors").stat().st_size / 1e6, 1)
         print(json.dumps(res))
     finally:

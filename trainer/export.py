@@ -37,8 +37,9 @@ from orchestrator.contract import runuri
 from orchestrator.plan.presets import ModelSpec
 
 
-GROUP_BYTES = 256 << 20
-"""Checkpoint bytes read per ``dcp.load`` while exporting (the export's memory, beside one output tensor)."""
+GROUP_BYTES = int(float(os.environ.get("DTRUN_EXPORT_GROUP_MB", "256")) * (1 << 20))
+"""Checkpoint bytes read per ``dcp.load`` while exporting (the export's memory, beside one output
+tensor; a single larger tensor is read alone). ``DTRUN_EXPORT_GROUP_MB`` changes it."""
 
 
 class ExportError(ValueError):
@@ -119,10 +120,11 @@ class _Reader:
 
 
 def write_safetensors(path: str, items: list[_Out], reader: "_Reader", metadata: dict[str, str] | None = None,
-                      group_bytes: int = GROUP_BYTES) -> None:
+                      group_bytes: int | None = None) -> None:
     """A safetensors file, streamed: header first, then each tensor's bytes in order. Source
     tensors are read in groups of consecutive items up to ``group_bytes`` (one ``dcp.load`` each;
     a single tensor larger than that is its own group): memory stays near ``group_bytes``."""
+    group_bytes = GROUP_BYTES if group_bytes is None else group_bytes
     header: dict[str, Any] = {"__metadata__": metadata or {}}
     off = 0
     for it in items:
