@@ -243,7 +243,7 @@ def cmd_dry_run(job: Path, json_out: bool, strict: bool = False, force: bool = F
     from orchestrator.run.datacheck import check_data_vocab
 
     spec = load_spec(job)
-    check_data_vocab(spec, str(job))
+    check_data_vocab(spec, str(job), remote=False)
     plan = make_plan(run_spec(spec), usable_only=True)
     check_run_uri_reachable(spec, plan, str(job))
     report = plan_report(spec, plan)

@@ -12,10 +12,14 @@ from __future__ import annotations
 from orchestrator.contract.errors import SpecError
 
 
-def check_data_vocab(spec, source: str = "job") -> None:
+def check_data_vocab(spec, source: str = "job", remote: bool = True) -> None:
+    """``remote=False`` (the dry run, which must stay fast and import no storage SDK) checks only
+    a manifest on this machine's disk; ``dtrun up`` reads it wherever it is."""
     from trainer.prepare import read_manifest
 
     t = spec.trainer
+    if not remote and "://" in t.data and not t.data.startswith("file://"):
+        return
     m = read_manifest(t.data)
     if not m:
         return
