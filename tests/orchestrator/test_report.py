@@ -90,3 +90,14 @@ def test_report_of_a_preempted_run_while_running_and_after(history, capsys):
 def test_report_of_an_unknown_job_is_exit_6(dtrun_home, capsys):
     assert dtrun(["report", "nope"]) == 6
     assert "no job named 'nope'" in capsys.readouterr().err
+
+
+def test_status_shows_the_validation_loss_and_points_to_the_report(history, capsys):
+    assert dtrun(["status", "rep", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["val_loss"] == 2.4
+    assert dtrun(["status", "rep"]) == 0
+    out = capsys.readouterr().out
+    assert "val loss 2.4000" in out and "dtrun report rep" in out
+    from orchestrator.cli.live import progress_line, snapshot
+
+    assert "val 2.4000" in progress_line(snapshot(history[0], "rep"))
