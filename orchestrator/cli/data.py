@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Annotated, Optional
+
+import typer
 
 from orchestrator.contract.errors import EXIT_OK, UsageError
 
@@ -62,7 +65,12 @@ class _Bar:
     def __enter__(self):
         if self.enabled and sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
 
             self.progress = Progress(TextColumn("tokenizing"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                                      TextColumn("{task.fields[info]}"), TextColumn("ETA"), TimeRemainingColumn(),
@@ -87,3 +95,38 @@ class _Bar:
             pct = 100 * p.bytes_done / p.bytes_total if p.bytes_total else 0
             sys.stderr.write(f"tokenizing {pct:5.1f}%  {info}\n")
             sys.stderr.flush()
+
+# ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------
+
+app = typer.Typer()
+
+
+data_app = typer.Typer(name="data", help="Prepare training data: token shards, a validation split, a manifest.",
+                       no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(data_app)
+
+
+@data_app.command("prepare")
+def data_prepare(
+    source: Annotated[str, typer.Argument(help="Text/JSONL/Parquet file, folder or glob; a datasets folder "
+                                         "(save_to_disk) or hf:NAME[:SPLIT].", show_default=False)],
+    out: Annotated[str, typer.Option("--out", help="Output folder or URI (s3://…).", show_default=False)],
+    tokenizer: Annotated[str, typer.Option(help="gpt2 (tiktoken), a tokenizer.json path, or a cached HF repo id.")] = "gpt2",
+    val_tokens: Annotated[int, typer.Option(help="Tokens held out for validation.")] = 1_000_000,
+    shard_tokens: Annotated[int, typer.Option(help="Tokens per shard file.")] = 100_000_000,
+    workers: Annotated[Optional[int], typer.Option(help="Tokenizer processes (default: every core).")] = None,
+    text_field: Annotated[str, typer.Option(help="JSONL field / Parquet column holding the text.")] = "text",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+) -> None:
+    """Tokenize a corpus into llm.c shards with a validation split and a manifest (resumable)."""
+    raise typer.Exit(cmd_prepare(source, out, tokenizer, val_tokens, shard_tokens, workers, text_field, quiet))
+
+
+@data_app.command("tokenizer")
+def data_tokenizer(
+    source: Annotated[str, typer.Argument(help="Text files (folder, file or glob).", show_default=False)],
+    out: Annotated[str, typer.Option("--out", help="Where to write tokenizer.json.", show_default=False)],
+    vocab_size: Annotated[int, typer.Option(help="Vocabulary size.")] = 4096,
+) -> None:
+    """Train a byte-level BPE tokenizer on a corpus (seconds for a few MB); use it with --tokenizer."""
+    raise typer.Exit(cmd_tokenizer(source, vocab_size, out))

@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="run auto's smallest plan even if it does not fit memory")
     args = ap.parse_args(argv)
 
-    from orchestrator.run.controller import Controller
     from orchestrator.cli.live import PlainView
     from orchestrator.plan.spec import load_spec
+    from orchestrator.run.controller import Controller
     from orchestrator.run.state import StateStore
 
     stop = {"flag": False}

@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+import typer
+
+from orchestrator.cli.options import JobArg
 from orchestrator.contract.errors import NoOfferError, UsageError
-from orchestrator.plan.spec import JobSpec, load_spec, spec_to_yaml
+
+if TYPE_CHECKING:  # pydantic and the presets load only when a command runs
+    from orchestrator.plan.spec import JobSpec
 
 SKYPILOT_CLOUDS = ("runpod", "lambda", "vast")
 
@@ -35,6 +40,7 @@ WRITE_JOB_YAML = (
 
 def skypilot_task(spec: JobSpec, workdir: str = ".") -> tuple[dict[str, Any], list[str]]:
     """(task dict, notes) for ``spec``. Raises NoOfferError if no listed SkyPilot cloud can run it."""
+    from orchestrator.plan.spec import spec_to_yaml
     from providers.base import LaunchRequest, Offer, Requirements
     from providers.skypilot import CLOUDS, SETUP, build_task_config
 
@@ -155,6 +161,8 @@ def render_yaml(cfg: dict[str, Any], notes: list[str], spec: JobSpec, validated:
 def cmd_export(job: Path, skypilot: bool) -> int:
     if not skypilot:
         raise UsageError("choose what to export: --skypilot (the SkyPilot task YAML)")
+    from orchestrator.plan.spec import load_spec
+
     spec = load_spec(job)
     cfg, notes = skypilot_task(spec)
     validated = True
@@ -172,3 +180,16 @@ def cmd_export(job: Path, skypilot: bool) -> int:
     sys.stdout.write(render_yaml(cfg, notes, spec, validated))
     sys.stdout.flush()
     return 0
+
+# ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------
+
+app = typer.Typer()
+
+
+@app.command()
+def export(
+    job: JobArg,
+    skypilot: Annotated[bool, typer.Option("--skypilot", help="Print the SkyPilot task YAML.")] = False,
+) -> None:
+    """Print the job as another tool's config (no secrets included)."""
+    raise typer.Exit(cmd_export(job, skypilot=skypilot))

@@ -14,8 +14,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Optional
 
+import typer
+
+from orchestrator.cli.options import JsonOpt
+from orchestrator.cli.up import check_run_uri_reachable as _check_run_uri_reachable
 from orchestrator.contract.errors import (
     EXIT_INTERRUPTED,
     EXIT_INVALID,
@@ -23,9 +27,7 @@ from orchestrator.contract.errors import (
     EXIT_OK,
     NotFoundError,
     ProviderRefused,
-    SpecError,
 )
-from orchestrator.cli.up import check_run_uri_reachable as _check_run_uri_reachable
 from orchestrator.run.state import TERMINAL_STATES, StateStore, dtrun_home
 
 
@@ -292,9 +294,9 @@ def cmd_down(job: str, now: bool) -> int:
         print(f"{job}: {what} (controller pid {row['controller_pid']})")
         return _wait_terminal(store, job)
     print(f"{job}: no controller is running; {what} here")
-    from orchestrator.run.controller import Controller
     from orchestrator.cli.detached import load_stored_spec
     from orchestrator.cli.live import PlainView
+    from orchestrator.run.controller import Controller
 
     spec, _ = load_stored_spec(store, job)
     view = PlainView(store, job)
@@ -362,10 +364,15 @@ def spawn_detached(store: StateStore, name: str, args: list[str]) -> int:
 
 def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = False, strict: bool = False,
            force: bool = False) -> int:
-    from orchestrator.cli.up import FORCE_WARNING, plan_report, print_plan, run_spec, verdict_exit_code
+    from orchestrator.cli.up import (
+        FORCE_WARNING,
+        plan_report,
+        print_plan,
+        run_spec,
+        verdict_exit_code,
+    )
     from orchestrator.plan.estimate import make_plan
     from orchestrator.plan.spec import load_spec
-
     from orchestrator.run.datacheck import check_data_vocab
 
     written = load_spec(job)
@@ -473,8 +480,8 @@ def _check_credentials(provider: str) -> None:
 
 
 def _foreground(spec, plan, store: StateStore, spec_path: str, json_out: bool) -> int:
-    from orchestrator.run.controller import Controller
     from orchestrator.cli.live import PlainView, RichView
+    from orchestrator.run.controller import Controller
 
     tty = _tty_out() and not json_out
     view = RichView(store, spec.name) if tty else PlainView(store, spec.name, out=sys.stderr if json_out else None)
@@ -539,3 +546,42 @@ def _foreground(spec, plan, store: StateStore, spec_path: str, json_out: bool) -
         if state != "SUCCEEDED" and job.get("reason"):
             print(f"reason: {job['reason']}")
     return EXIT_OK if state == "SUCCEEDED" else EXIT_JOB_FAILED
+
+# ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------
+
+app = typer.Typer()
+
+
+@app.command()
+def status(
+    job: Annotated[Optional[str], typer.Argument(help="Job name (default: every job).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Show a job's state, step, spend, attempts and nodes."""
+    raise typer.Exit(cmd_status(job, json_out))
+
+
+@app.command("ls")
+def ls_(json_out: JsonOpt = False) -> None:
+    """List jobs."""
+    raise typer.Exit(cmd_ls(json_out))
+
+
+@app.command()
+def logs(
+    job: Annotated[str, typer.Argument(help="Job name.")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+    attempt: Annotated[int | None, typer.Option("--attempt", "-a", help="Only this attempt's node output.")] = None,
+) -> None:
+    """Print the job's controller events and the nodes' output (local log files, or the
+    provider's logs for a remote node: SkyPilot's job log of the attempt's cluster)."""
+    raise typer.Exit(cmd_logs(job, follow, attempt))
+
+
+@app.command()
+def down(
+    job: Annotated[str, typer.Argument(help="Job name.")],
+    now: Annotated[bool, typer.Option("--now", help="Skip the final checkpoint; terminate at once.")] = False,
+) -> None:
+    """Stop a job: STOP → final checkpoint → terminate every node (confirmed)."""
+    raise typer.Exit(cmd_down(job, now))

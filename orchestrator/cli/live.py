@@ -86,7 +86,13 @@ class RichView:
 
     def __init__(self, store: StateStore, name: str, console: Any = None) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         self.store, self.name = store, name
         self.console = console or Console()

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import Annotated, Any, Optional
 
+import typer
+
+from orchestrator.cli.options import JsonOpt
 from orchestrator.contract.errors import EXIT_JOB_FAILED, EXIT_OK, NotFoundError
 from orchestrator.run.state import StateStore
 from orchestrator.run.sweep import find_orphans, gc_providers, terminate_orphans
@@ -24,7 +27,6 @@ def cmd_gc(yes: bool, json_out: bool) -> int:
     terminal. Without a terminal and without --yes it only lists (never waits for input).
     Exit 0 when nothing is left billing that we know of (or listing only), 1 when a terminate
     was not confirmed or a provider could not be listed."""
-    import typer
 
     store = StateStore()
     names = gc_providers(store)
@@ -137,3 +139,25 @@ def cmd_cost(job: str | None, json_out: bool) -> int:
     if job is None and len(reports) > 1:
         typer.echo(f"total: ${sum(r['cost_usd'] for r in reports):.4f}")
     return EXIT_OK
+
+# ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------
+
+app = typer.Typer()
+
+
+@app.command()
+def gc(
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Terminate without asking.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Find provider instances with dtrun's name prefix that no live job owns, and terminate them."""
+    raise typer.Exit(cmd_gc(yes=yes, json_out=json_out))
+
+
+@app.command()
+def cost(
+    job: Annotated[Optional[str], typer.Argument(help="Job name (default: every job).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Spend per job and per attempt, beside the estimate."""
+    raise typer.Exit(cmd_cost(job, json_out))

@@ -19,8 +19,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import typer
+
+from orchestrator.cli.options import JobArg, JsonOpt
 from orchestrator.contract.errors import EXIT_JOB_FAILED, EXIT_OK, UsageError
 
 TIMEOUT_S = 1800
@@ -99,3 +102,17 @@ def cmd_profile(job: Path, steps: int, json_out: bool) -> int:
         res = json.loads(result.read_text())
     typer.echo(json.dumps(res, indent=2) if json_out else _render(res))
     return EXIT_OK
+
+# ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------
+
+app = typer.Typer()
+
+
+@app.command()
+def profile(
+    job: JobArg,
+    steps: Annotated[int, typer.Option(help="Steps to profile.")] = 10,
+    json_out: JsonOpt = False,
+) -> None:
+    """A short run under torch.profiler: where the time goes, tokens/s, MFU and a verdict."""
+    raise typer.Exit(cmd_profile(job, steps, json_out))

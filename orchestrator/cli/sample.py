@@ -3,6 +3,10 @@ COMMITTED checkpoint or the data's tokenizer cannot be loaded here; 6 no such jo
 
 from __future__ import annotations
 
+from typing import Annotated, Optional
+
+import typer
+
 from orchestrator.contract.errors import EXIT_OK, UsageError
 
 
@@ -26,3 +30,21 @@ def cmd_sample(job: str, prompt: str, tokens: int, temperature: float, step: int
         print(f"--- sample {i + 1} (step {at}, temperature {temperature}) ---")
         print(t)
     return EXIT_OK
+
+# ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------
+
+app = typer.Typer()
+
+
+@app.command()
+def sample(
+    job: Annotated[str, typer.Argument(help="Job name (or its job.yaml).", show_default=False)],
+    prompt: Annotated[str, typer.Option(help="Text to continue.")] = "",
+    tokens: Annotated[int, typer.Option(help="Tokens to generate per sample.")] = 64,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (0: greedy).")] = 0.8,
+    step: Annotated[Optional[int], typer.Option(help="Checkpoint step (default: newest COMMITTED).")] = None,
+    num: Annotated[int, typer.Option("--num", "-n", help="Samples.")] = 3,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    """Generate a few lines of text from a checkpoint with the data's tokenizer (CPU or GPU)."""
+    raise typer.Exit(cmd_sample(job, prompt, tokens, temperature, step, num, seed))

@@ -4,8 +4,11 @@ clock, N times (the simulation lives in ``orchestrator.run.simulate``)."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any, Optional
 
+import typer
+
+from orchestrator.cli.options import JobArg, JsonOpt
 from orchestrator.contract.errors import EXIT_OK
 
 
@@ -58,3 +61,27 @@ def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: 
         else:
             typer.echo(f"  Young/Daly  every {p['young_daly_every_steps']} steps: the interval simulated")
     return EXIT_OK
+
+# ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------
+
+app = typer.Typer()
+
+
+@app.command()
+def simulate(
+    job: JobArg,
+    preemptions_per_hour: Annotated[Optional[float], typer.Option(help="Spot preemption rate to simulate.")] = None,
+    runs: Annotated[int, typer.Option(help="Simulated runs.")] = 200,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    no_capacity: Annotated[float, typer.Option(
+        help="Probability a launch finds no capacity (the controller fails over to the next offer).")] = 0.0,
+    notice_seconds: Annotated[Optional[float], typer.Option(
+        help="Preemption notice (grace) in seconds; default: each provider's figure in the price snapshot.")] = None,
+    soft_fraction: Annotated[Optional[float], typer.Option(
+        help="Share of preemptions that come with the notice (soft); the rest are hard.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run the real controller against the fake cloud on a virtual clock, N times: the distribution
+    of wall time, cost, attempts, work lost and goodput, before renting anything."""
+    raise typer.Exit(cmd_simulate(job, preemptions_per_hour, runs, seed, json_out, no_capacity=no_capacity,
+                                  notice_seconds=notice_seconds, soft_fraction=soft_fraction))

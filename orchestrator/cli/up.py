@@ -7,8 +7,11 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
+import typer
+
+from orchestrator.cli.options import JobArg, JsonOpt
 from orchestrator.contract.errors import (
     EXIT_INVALID,
     EXIT_NO_FIT,
@@ -17,8 +20,10 @@ from orchestrator.contract.errors import (
     EXIT_OVER_BUDGET,
     EXIT_PROVIDER,
 )
-from orchestrator.plan.estimate import Plan, make_plan
-from orchestrator.plan.spec import JobSpec, load_spec
+
+if TYPE_CHECKING:  # the plan imports pydantic and the presets: only when a command runs
+    from orchestrator.plan.estimate import Plan
+    from orchestrator.plan.spec import JobSpec
 
 RENTABLE = ("runpod", "lambda", "vast", "modal")
 
@@ -86,8 +91,7 @@ def plan_report(spec: JobSpec, plan: Plan) -> dict[str, Any]:
 
 def _memory_and_traps(spec: JobSpec, plan: Plan, offer_rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The planner's memory plan and the known traps."""
-    from orchestrator.plan import planner
-    from orchestrator.plan import traps
+    from orchestrator.plan import planner, traps
 
     out: dict[str, Any] = {}
     gpu = plan.chosen.gpu if plan.chosen else spec.resources.gpu
@@ -240,6 +244,8 @@ def verdict_exit_code(spec: JobSpec, plan: Plan, report: dict[str, Any], strict:
 
 
 def cmd_dry_run(job: Path, json_out: bool, strict: bool = False, force: bool = False) -> int:
+    from orchestrator.plan.estimate import make_plan
+    from orchestrator.plan.spec import load_spec
     from orchestrator.run.datacheck import check_data_vocab
 
     spec = load_spec(job)
@@ -284,8 +290,8 @@ def _json_default(o: Any) -> Any:
 def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None) -> None:
     from orchestrator.contract.errors import UsageError
     from orchestrator.contract.gpus import canonical_gpu
-    from providers.catalog import UNKNOWN_SPOT, all_rows
     from providers import registry
+    from providers.catalog import UNKNOWN_SPOT, all_rows
 
     if gpu is not None:
         g = canonical_gpu(gpu)
@@ -339,3 +345,46 @@ def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None) -> None:
             parts.append(f"{k.replace('_', '-')}: {'yes' if c[k]['supported'] else 'no'}"
                          + (f" ({c[k]['reason']})" if c[k]["reason"] else ""))
         con.print(f"[bold]{name}[/]: " + "; ".join(parts) + f"; ≤{c['max_gpus_per_node']} GPUs/node")
+
+# ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------
+
+app = typer.Typer()
+
+
+@app.command()
+def schema() -> None:
+    """Print the job spec's JSON schema (for editor completion)."""
+    import json
+
+    from orchestrator.plan.spec import json_schema
+
+    typer.echo(json.dumps(json_schema(), indent=2))
+
+
+@app.command()
+def prices(
+    gpu: Annotated[Optional[str], typer.Argument(help="Only this GPU type (e.g. H100).")] = None,
+    json_out: JsonOpt = False,
+    spot: Annotated[Optional[bool], typer.Option("--spot/--on-demand", help="Only spot or only on-demand.")] = None,
+) -> None:
+    """Print the price table: provider, region, GPU, spot, $/GPU-hour and where each price came from."""
+    cmd_prices(gpu, json_out, spot)
+
+
+@app.command()
+def up(
+    job: JobArg,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Estimate and plan only; rent nothing.")] = False,
+    json_out: JsonOpt = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="Run the controller in the background.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Known traps are errors (exit 2), not warnings.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Rent even when the plan does not fit the GPU's memory (exit 4 otherwise); warns.")] = False,
+) -> None:
+    """Estimate, confirm, then run the job to the end (or only estimate, with --dry-run)."""
+    if dry_run:
+        raise typer.Exit(cmd_dry_run(job, json_out, strict, force))
+    from orchestrator.cli.jobs import cmd_up
+
+    raise typer.Exit(cmd_up(job, yes=yes, detach=detach, json_out=json_out, strict=strict, force=force))

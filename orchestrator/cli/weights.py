@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Optional
+
+import typer
 
 from orchestrator.contract.errors import EXIT_OK, NotFoundError, UsageError
 
@@ -65,3 +67,18 @@ def cmd_weights(job: str, out: Path, step: int | None, fmt: str) -> int:
             print("  no tokenizer files copied (the data manifest names no tokenizer.json: a tiktoken tokenizer "
                   "or synthetic data); load the model with AutoModelForCausalLM.from_pretrained")
     return EXIT_OK
+
+# ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------
+
+app = typer.Typer()
+
+
+@app.command()
+def weights(
+    job: Annotated[str, typer.Argument(help="Job name (or its job.yaml).", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", help="Output folder.", show_default=False)],
+    step: Annotated[Optional[int], typer.Option(help="Checkpoint step (default: newest COMMITTED).")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="safetensors (dtrun names) or hf (transformers).")] = "safetensors",
+) -> None:
+    """Write the model's weights (no optimizer state) from a checkpoint, tensor by tensor."""
+    raise typer.Exit(cmd_weights(job, out, step, fmt))
