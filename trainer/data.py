@@ -7,24 +7,42 @@ data-parallel rank and restorable at another dp degree.
 
 * ``synthetic``: seeded token sequences with structure a model can learn (an arithmetic
   progression mod vocab with 10% noise), generated per sample from ``(seed, index)``.
-* token shards: ``uint16`` ``.bin`` files (raw, or llm.c's format with its 256×int32 header,
-  magic 20240520) or ``.npy`` arrays, from a directory, glob or file through fsspec (local paths
-  are memory-mapped; remote ones read by byte range). Shards are concatenated in name order and
-  sample ``i`` is the window ``[i·T, i·T + T + 1)`` of that stream (wrapping around).
+* token shards (format: ``trainer/shards.py`` — llm.c ``.bin`` with a uint16 or uint32 header,
+  or ``.npy``; anything else is refused naming the file) from a directory, glob or file through
+  fsspec. Shards are concatenated in name order and sample ``i`` is the window
+  ``[i·T, i·T + T + 1)`` of that stream (wrapping around). A directory or glob never yields a
+  validation shard (``shards.is_validation``: llm.c's ``fineweb_val_000000.bin``); validation
+  data is named explicitly (``trainer.val_data``) and read by :func:`build_val_source`.
+
+Input pipeline (what keeps a GPU fed from S3): a micro-batch of one rank is ``mb`` consecutive
+samples, i.e. one contiguous token range; ranges are served from aligned blocks of
+``READ_BLOCK_BYTES`` fetched with one ranged GET each (``fs.cat_file``: no s3fs read-ahead) and
+kept in a small LRU, so a step costs a few large requests, not one per sample. Local files are
+memory-mapped. A background thread (:class:`DataLoader`) assembles the micro-batches of the next
+``PREFETCH_STEPS`` steps while the current one trains, pinning host memory on CUDA; the main
+thread copies them with ``non_blocking=True``. The state in the checkpoint is still one counter.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import queue
+import threading
 from typing import Any
 
 import numpy as np
 import torch
 
+from trainer import shards as shardfmt
 from trainer.errors import ConfigError
 
-_LLMC_MAGIC = 20240520
-_LLMC_HEADER_BYTES = 256 * 4
+READ_BLOCK_BYTES = 8 << 20
+"""One ranged GET per aligned block of this size (remote shards)."""
+CACHE_BLOCKS = 8
+"""Blocks kept per shard source (LRU): every rank of a data-parallel group reads the same blocks."""
+PREFETCH_STEPS = 2
+"""Optimizer steps of micro-batches the background thread prepares ahead of the loop."""
 
 
 class SyntheticSource:
@@ -40,86 +58,107 @@ class SyntheticSource:
         seq[noise] = rng.integers(self.V, size=int(noise.sum()))
         return seq.astype(np.int64)
 
+    def samples(self, first: int, count: int) -> np.ndarray:
+        return np.stack([self.sample(first + j) for j in range(count)])
+
 
 class _Shard:
-    def __init__(self, fs: Any, path: str, local: bool):
-        self.fs, self.path, self.local = fs, path, local
-        self.offset, self.dtype = 0, np.dtype(np.uint16)
-        if path.endswith(".npy"):
-            with fs.open(path, "rb") as f:
-                version = np.lib.format.read_magic(f)
-                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                               else np.lib.format.read_array_header_2_0)
-                shape, _, dtype = read_header(f)
-                self.offset = f.tell()
-            self.dtype = np.dtype(dtype)
-            self.n = int(np.prod(shape))
-        else:
-            with fs.open(path, "rb") as f:
-                buf = f.read(_LLMC_HEADER_BYTES)
-            head = np.frombuffer(buf[:len(buf) // 4 * 4], dtype=np.int32)
-            size = fs.size(path)
-            if head.size >= 3 and head[0] == _LLMC_MAGIC:
-                self.offset = _LLMC_HEADER_BYTES
-                self.n = int(head[2])
-            else:
-                self.n = size // 2
-        if self.dtype.kind not in "ui":
-            raise ValueError(f"dtype {self.dtype} is not an integer token type")
-        self._mm = (np.memmap(path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.n,))
+    def __init__(self, fs: Any, info: shardfmt.ShardInfo, local: bool):
+        self.fs, self.path, self.local = fs, info.path, local
+        self.offset, self.dtype, self.n = info.offset, np.dtype(info.dtype), info.n_tokens
+        self._mm = (np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.n,))
                     if local and self.n > 0 else None)
+        self._blocks: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.requests = 0  # ranged GETs issued (benchmarks)
+
+    def _block(self, k: int) -> bytes:
+        with self._lock:
+            b = self._blocks.get(k)
+            if b is not None:
+                self._blocks.move_to_end(k)
+                return b
+        start = self.offset + k * READ_BLOCK_BYTES
+        end = min(start + READ_BLOCK_BYTES, self.offset + self.n * self.dtype.itemsize)
+        b = self.fs.cat_file(self.path, start=start, end=end)
+        with self._lock:
+            self.requests += 1
+            self._blocks[k] = b
+            while len(self._blocks) > CACHE_BLOCKS:
+                self._blocks.popitem(last=False)
+        return b
 
     def read(self, start: int, count: int) -> np.ndarray:
         if self._mm is not None:
             return np.asarray(self._mm[start:start + count])
         isz = self.dtype.itemsize
-        with self.fs.open(self.path, "rb") as f:
-            f.seek(self.offset + start * isz)
-            return np.frombuffer(f.read(count * isz), dtype=self.dtype)
+        lo, hi = start * isz, (start + count) * isz  # byte range in the token area
+        parts = []
+        for k in range(lo // READ_BLOCK_BYTES, (hi - 1) // READ_BLOCK_BYTES + 1):
+            b = self._block(k)
+            base = k * READ_BLOCK_BYTES
+            parts.append(b[max(lo - base, 0):min(hi - base, len(b))])
+        return np.frombuffer(b"".join(parts), dtype=self.dtype)
+
+
+def _list_shards(fs: Any, path: str, uri: str, field: str, *, training: bool) -> list[str]:
+    try:
+        if any(ch in path for ch in "*?["):
+            files = fs.glob(path)
+        elif fs.isdir(path):
+            files = [f for f in fs.ls(path, detail=False) if f.endswith((".bin", ".npy"))]
+        else:
+            return [path] if fs.exists(path) else []
+    except Exception as e:  # noqa: BLE001 - any storage error here is a config problem
+        raise ConfigError(f"{field}: cannot list {uri}: {e}") from None
+    files = sorted(f for f in files if not f.endswith((".json", ".tmp")))  # data prepare's manifest, partials
+    if training:
+        val = [f for f in files if shardfmt.is_validation(f)]
+        files = [f for f in files if not shardfmt.is_validation(f)]
+        if val and not files:
+            raise ConfigError(f"{field}: {uri} holds only validation shards ({os.path.basename(val[0])} …); "
+                              "point trainer.data at the training shards and trainer.val_data at these")
+    return files
 
 
 class ShardSource:
-    def __init__(self, uri: str, seq_len: int, vocab_size: int):
+    def __init__(self, uri: str, seq_len: int, vocab_size: int, *, field: str = "trainer.data",
+                 training: bool = True):
         import fsspec
 
         from orchestrator.contract.runuri import _fs
 
-        self.T, self.V = seq_len, vocab_size
+        self.T, self.V, self.field = seq_len, vocab_size, field
         try:
             fs, path = _fs(uri) if uri.startswith("s3://") else fsspec.core.url_to_fs(uri)
         except Exception as e:  # noqa: BLE001 - unknown scheme, missing fsspec backend (gcsfs, …)
-            raise ConfigError(f"trainer.data: cannot open {uri}: {type(e).__name__}: {e}") from None
+            raise ConfigError(f"{field}: cannot open {uri}: {type(e).__name__}: {e}") from None
         local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-        try:
-            if any(ch in path for ch in "*?["):
-                files = fs.glob(path)
-            elif fs.isdir(path):
-                files = [f for f in fs.ls(path, detail=False) if f.endswith((".bin", ".npy"))]
-            else:
-                files = [path] if fs.exists(path) else []
-        except Exception as e:  # noqa: BLE001 - any storage error here is a config problem
-            raise ConfigError(f"trainer.data: cannot list {uri}: {e}") from None
-        from trainer.shards import is_validation
-
-        # validation shards (val_*.bin from `dtrun data prepare`, llm.c's *_val_*) never train
-        files = sorted(f for f in files if not is_validation(f) and not f.endswith((".json", ".tmp")))
+        files = _list_shards(fs, path, uri, field, training=training)
         if not files:
-            raise ConfigError(f"trainer.data: no .bin or .npy token shards at {uri}")
+            raise ConfigError(f"{field}: no .bin or .npy token shards at {uri}")
+        self.files = files
         self.shards = []
         for f in files:
             try:
-                shard = _Shard(fs, f, local)
+                shard = _Shard(fs, shardfmt.read_info(fs, f), local)
+            except shardfmt.ShardFormatError as e:
+                raise ConfigError(f"{field}: {e}") from None
             except Exception as e:  # noqa: BLE001 - truncated/corrupt file: name it, no traceback
-                raise ConfigError(f"trainer.data: token shard {f} is unreadable "
+                raise ConfigError(f"{field}: token shard {f} is unreadable "
                                   f"({type(e).__name__}: {e})") from None
             if shard.n > 0:  # an empty shard adds nothing (and cannot be memory-mapped)
                 self.shards.append(shard)
         if not self.shards:
-            raise ConfigError(f"trainer.data: every token shard at {uri} is empty")
+            raise ConfigError(f"{field}: every token shard at {uri} is empty")
         self.starts = np.cumsum([0] + [s.n for s in self.shards])
         self.total = int(self.starts[-1])
         if self.total < seq_len + 1:
-            raise ConfigError(f"trainer.data: {uri} holds {self.total} tokens, fewer than seq_len + 1")
+            raise ConfigError(f"{field}: {uri} holds {self.total} tokens, fewer than seq_len + 1")
+
+    @property
+    def requests(self) -> int:
+        return sum(s.requests for s in self.shards)
 
     def _read(self, pos: int, count: int) -> np.ndarray:
         out = []
@@ -132,36 +171,100 @@ class ShardSource:
             pos, count = pos + take, count - take
         return np.concatenate(out)
 
+    def samples(self, first: int, count: int) -> np.ndarray:
+        """Samples ``first … first+count-1`` as (count, T+1) int64: one contiguous range read."""
+        T = self.T
+        flat = self._read(first * T, count * T + 1).astype(np.int64)
+        if flat.max(initial=0) >= self.V:
+            raise ConfigError(f"{self.field}: token id {int(flat.max())} ≥ vocab_size {self.V}")
+        idx = np.arange(count)[:, None] * T + np.arange(T + 1)[None, :]
+        return flat[idx]
+
     def sample(self, i: int) -> np.ndarray:
-        seq = self._read(i * self.T, self.T + 1).astype(np.int64)
-        if seq.max(initial=0) >= self.V:
-            raise ConfigError(f"trainer.data: token id {int(seq.max())} ≥ vocab_size {self.V}")
-        return seq
+        return self.samples(i, 1)[0]
 
 
 class DataLoader:
-    """Micro-batches ``(inputs, targets)`` of shape (mb, T) for one data-parallel rank."""
+    """Micro-batches ``(inputs, targets)`` of shape (mb, T) for one data-parallel rank.
+
+    ``batches(step)`` serves from a background thread that prepares the micro-batches of steps
+    ``step … step + PREFETCH_STEPS`` ahead (pinned on CUDA); asking for a step out of sequence
+    (a resume) restarts it there. ``prefetch=False``: assemble on the caller's thread."""
 
     def __init__(self, source: Any, *, global_batch: int, micro_batch: int, dp_rank: int, dp: int,
-                 device: torch.device):
+                 device: torch.device, prefetch: bool = True):
         self.source, self.B, self.mb, self.dp_rank, self.dp = source, global_batch, micro_batch, dp_rank, dp
         self.device = device
         self.samples_seen = 0  # global samples consumed by completed steps
+        self.prefetch = prefetch
+        self._q: queue.Queue | None = None
+        self._next_step: int | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     @property
     def accum_steps(self) -> int:
         return self.B // (self.dp * self.mb)
 
+    def _host_batch(self, step: int, m: int) -> torch.Tensor:
+        first = step * self.B + m * self.dp * self.mb + self.dp_rank * self.mb
+        t = torch.from_numpy(self.source.samples(first, self.mb))
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t
+
+    def _worker(self, step: int, q: queue.Queue, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                for m in range(self.accum_steps):
+                    item = (step, m, self._host_batch(step, m))
+                    while not stop.is_set():
+                        try:
+                            q.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                step += 1
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            q.put((None, None, e))
+
+    def _restart(self, step: int) -> None:
+        self.close()
+        self._stop = threading.Event()
+        self._q = queue.Queue(maxsize=max(1, PREFETCH_STEPS * self.accum_steps))
+        self._thread = threading.Thread(target=self._worker, args=(step, self._q, self._stop), daemon=True,
+                                        name="dtrun-data")
+        self._thread.start()
+
     def batches(self, step: int):
         """The micro-batches of optimizer step ``step`` for this rank."""
-        base = step * self.B
+        if not self.prefetch:
+            for m in range(self.accum_steps):
+                yield self._split(self._host_batch(step, m))
+            return
+        if self._next_step != step or self._thread is None:
+            self._restart(step)
+        assert self._q is not None
         for m in range(self.accum_steps):
-            first = base + m * self.dp * self.mb + self.dp_rank * self.mb
-            arr = np.stack([self.source.sample(first + j) for j in range(self.mb)])
-            t = torch.from_numpy(arr)
-            if self.device.type == "cuda":
-                t = t.pin_memory().to(self.device, non_blocking=True)
-            yield t[:, :-1], t[:, 1:]
+            s, mm, t = self._q.get()
+            if s is None:
+                self._next_step = None
+                self._thread = None
+                raise t
+            assert (s, mm) == (step, m), (s, mm, step, m)
+            yield self._split(t)
+        self._next_step = step + 1
+
+    def _split(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.device.type == "cuda":
+            t = t.to(self.device, non_blocking=True)
+        return t[:, :-1], t[:, 1:]
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._thread, self._next_step = None, None
 
     def advance(self, step: int) -> None:
         self.samples_seen = (step + 1) * self.B
@@ -173,8 +276,20 @@ class DataLoader:
         self.samples_seen = int(sd["samples_seen"])
 
 
+def _uri(data: str) -> str:
+    return data if "://" in data else os.path.abspath(os.path.expanduser(data))
+
+
 def build_source(data: str, seq_len: int, vocab_size: int, seed: int) -> Any:
+    """The training stream (``trainer.data``); validation shards in a folder/glob are left out."""
     if data == "synthetic":
         return SyntheticSource(vocab_size, seq_len, seed)
-    uri = data if "://" in data else os.path.abspath(os.path.expanduser(data))
-    return ShardSource(uri, seq_len, vocab_size)
+    return ShardSource(_uri(data), seq_len, vocab_size)
+
+
+def build_val_source(val_data: str, seq_len: int, vocab_size: int, seed: int) -> Any:
+    """The validation stream (``trainer.val_data``): every shard it names, validation or not.
+    ``synthetic`` is a held-out synthetic stream (another seed)."""
+    if val_data == "synthetic":
+        return SyntheticSource(vocab_size, seq_len, seed + 1_000_003)
+    return ShardSource(_uri(val_data), seq_len, vocab_size, field="trainer.val_data", training=False)

@@ -123,7 +123,9 @@ class Trainer(_Model):
     """Tokens per sequence."""
     data: str = "synthetic"
     """Training data: synthetic (seeded random tokens, for tests) or a URI/path of token shards
-    (uint16 .bin or .npy, read through fsspec; a directory or glob)."""
+    (llm.c .bin with a uint16 or uint32 header, or .npy, read through fsspec; a directory or glob).
+    A directory or glob never feeds validation shards (a name holding ``val``, as llm.c's
+    ``fineweb_val_000000.bin``) into training."""
     val_data: str | None = None
     """Validation token shards (URI/path, a directory or glob). Default: the validation-named shards
     (``val_*.bin``, as `dtrun data prepare` writes them) beside ``data``, if there are any."""

@@ -46,6 +46,8 @@ def s3_uses(spec: Any) -> list[str]:
         out.append("checkpoint.uri")
     if str(spec.trainer.data).startswith("s3://"):
         out.append("trainer.data")
+    if str(getattr(spec.trainer, "val_data", None) or "").startswith("s3://"):
+        out.append("trainer.val_data")
     return out
 
 
@@ -90,8 +92,9 @@ def node_storage(spec: Any, provider: str, environ: Mapping[str, str] | None = N
         if region and not (env.get("AWS_DEFAULT_REGION") or env.get("AWS_REGION")):
             env["AWS_DEFAULT_REGION"] = region
     if not secrets:
-        where = " and ".join(f"{u} ({spec.run_uri if u == 'checkpoint.uri' else spec.trainer.data})"
-                             for u in uses)
+        val = {"checkpoint.uri": spec.run_uri, "trainer.data": spec.trainer.data,
+               "trainer.val_data": getattr(spec.trainer, "val_data", None)}
+        where = " and ".join(f"{u} ({val[u]})" for u in uses)
         raise ProviderRefused(f"no AWS credentials for the {provider} nodes: {where} is on S3 and a rented "
                               f"node has no other way in; {HOW}; nothing rented")
     return env, secrets

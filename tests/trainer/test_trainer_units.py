@@ -145,7 +145,9 @@ def test_synthetic_data_is_deterministic_and_rank_disjoint():
 
 def test_token_shards_bin_llmc_and_npy(tmp_path):
     stream = np.arange(1000, dtype=np.uint16) % 200
-    (tmp_path / "a.bin").write_bytes(stream[:400].tobytes())  # raw uint16
+    from trainer.shards import encode
+
+    (tmp_path / "a.bin").write_bytes(encode(stream[:400], 256))  # llm.c header via shards.encode
     header = np.zeros(256, dtype=np.int32)
     header[:3] = [20240520, 1, 300]
     (tmp_path / "b.bin").write_bytes(header.tobytes() + stream[400:700].tobytes())  # llm.c format
@@ -163,8 +165,10 @@ def test_token_shards_bin_llmc_and_npy(tmp_path):
 
 
 def test_bad_token_shards_are_config_errors_not_tracebacks(tmp_path):
+    from trainer.shards import encode
+
     (tmp_path / "zero").mkdir()
-    (tmp_path / "zero" / "a.bin").write_bytes(b"")  # empty file: cannot be memory-mapped
+    (tmp_path / "zero" / "a.bin").write_bytes(encode(np.zeros(0, np.int64), 256))  # header, no tokens
     with pytest.raises(ConfigError, match="empty"):
         build_source(str(tmp_path / "zero"), seq_len=8, vocab_size=256, seed=0)
     (tmp_path / "bad.npy").write_bytes(b"notnpy")  # truncated .npy header
@@ -181,7 +185,7 @@ def test_bad_token_shards_are_config_errors_not_tracebacks(tmp_path):
     for uri in ("foo://bucket/shards", "gs://bucket/shards"):  # unknown scheme / backend not installed
         with pytest.raises(ConfigError, match="cannot open"):
             build_source(uri, seq_len=8, vocab_size=256, seed=0)
-    (tmp_path / "one.bin").write_bytes(np.arange(8, dtype=np.uint16).tobytes())
+    (tmp_path / "one.bin").write_bytes(encode(np.arange(8), 256))
     with pytest.raises(ConfigError, match="fewer than seq_len"):  # seq_len larger than the data
         build_source(str(tmp_path / "one.bin"), seq_len=64, vocab_size=256, seed=0)
 
