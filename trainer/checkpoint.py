@@ -89,6 +89,11 @@ class CheckpointManager:
         self.last_committed: int | None = None
         self.last_saved_step: int | None = None
         self.stall_s: list[float] = []  # loop stall per save (staging for async; whole save for sync)
+        self.extra: dict[str, Any] = {}  # name → object with state_dict()/load_state_dict() (register)
+
+    def register(self, name: str, obj: Any) -> None:
+        """Save ``obj.state_dict()`` under ``name``; a checkpoint without it loads without it."""
+        self.extra[name] = obj
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self, model, optimizer, loader, train: dict[str, Any]) -> dict[str, Any]:
@@ -96,6 +101,8 @@ class CheckpointManager:
         sd: dict[str, Any] = {"model": msd, "optim": osd, "train": dict(train)}
         sd[f"data_dp{self.dp_rank}"] = loader.state_dict()
         sd[f"rng_rank{self.rank}"] = torch.get_rng_state()
+        for name, obj in self.extra.items():
+            sd[name] = obj.state_dict()
         return sd
 
     # ---- save --------------------------------------------------------------------------------
@@ -264,7 +271,7 @@ class CheckpointManager:
         if err is not None:
             raise RuntimeError(f"reading the checkpoint metadata failed ({err})")
         _check_model_shapes(uri, sd["model"], md)
-        for k in [k for k in sd if k.startswith(("data_dp", "rng_rank"))]:
+        for k in [k for k in sd if k.startswith(("data_dp", "rng_rank")) or k in self.extra]:
             if not any(m == k or m.startswith(k + ".") for m in md):
                 sd.pop(k)  # per-rank key absent (resharded to more ranks)
         flat, _ = flatten_state_dict(sd)
@@ -281,6 +288,9 @@ class CheckpointManager:
         rk = f"rng_rank{self.rank}"
         if rk in sd:
             torch.set_rng_state(sd[rk])
+        for name, obj in self.extra.items():
+            if name in sd:
+                obj.load_state_dict(sd[name])
         return sd["train"]
 
     def close(self) -> None:

@@ -321,3 +321,86 @@ def sharded_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | Non
                 if isinstance(v, torch.Tensor):
                     opt += _local_bytes(v)
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+
+
+def held_grad_bytes(model: nn.Module) -> int:
+    """Gradient bytes this rank holds right now: ``.grad`` local shards, plus any *unsharded*
+    gradient FSDP2 keeps between backwards (``set_requires_gradient_sync(False)`` accumulates the
+    full-size gradient in its parameter groups until the next reduce-scatter). Tied weights once."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.grad is not None:
+            total += _local_bytes(p.grad)
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group  # torch-internal: no public accessor
+        for fp in (group.fsdp_params if group is not None else ()):
+            acc = getattr(fp, "unsharded_accumulated_grad", None)
+            if acc is not None:
+                total += acc.numel() * acc.element_size()
+            up = getattr(fp, "_unsharded_param", None)
+            if up is not None and up.grad is not None:
+                total += up.grad.numel() * up.grad.element_size()
+    return total
+
+
+class DynamicLossScaler:
+    """Dynamic loss scaling for ``precision: fp16`` that works with FSDP2, TP and EP.
+
+    ``torch.amp.GradScaler`` checks for inf/nan per device and FSDP1's ``ShardedGradScaler``
+    syncs that flag over one process group; with FSDP2 the gradients are DTensors on several
+    meshes (dense, expert). This scaler needs no extra collective: the step's *global* gradient
+    norm (``clip_grad_norm_``, reduced over every mesh so every rank holds the same value) is
+    finite exactly when every gradient shard on every rank is. So: backward on ``loss × scale``;
+    :meth:`unscale_` multiplies the local shards by ``1/scale`` (a power of two: exact); the
+    caller computes the norm; :meth:`update` skips the optimizer step and halves the scale on a
+    non-finite norm, and doubles it after ``growth_interval`` good steps (torch's defaults). The
+    state (scale, good steps) is saved in the checkpoint. Disabled: every method is a no-op.
+    """
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0 ** 16, growth_interval: int = 2000,
+                 min_scale: float = 1.0):
+        self.enabled, self.scale, self.growth_interval, self.min_scale = enabled, float(init_scale), growth_interval, min_scale
+        self.good_steps = 0
+        self.skipped = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    @torch.no_grad()
+    def unscale_(self, params: list[nn.Parameter]) -> None:
+        if not self.enabled:
+            return
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+
+    def update(self, grad_norm: torch.Tensor) -> bool:
+        """True: take the optimizer step. False: overflow, skip it (every rank agrees)."""
+        if not self.enabled:
+            return True
+        if not bool(torch.isfinite(grad_norm)):  # one host sync per step, fp16 only
+            self.scale = max(self.scale * 0.5, self.min_scale)
+            self.good_steps = 0
+            self.skipped += 1
+            return False
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale *= 2.0
+            self.good_steps = 0
+        return True
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "good_steps": float(self.good_steps)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.scale, self.good_steps = float(sd["scale"]), int(sd["good_steps"])

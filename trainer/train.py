@@ -251,8 +251,8 @@ class Run:
         from trainer.data import DataLoader, build_source
         from trainer.model import build_model, loss_fn
         from trainer.optim import build_optimizer, lr_at
-        from trainer.parallel import (amp_context, build_meshes, clip_grad_norm_, finish_expert_grads,
-                                      parallelize, sharded_state_bytes)
+        from trainer.parallel import (DynamicLossScaler, amp_context, build_meshes, clip_grad_norm_,
+                                      finish_expert_grads, held_grad_bytes, parallelize, sharded_state_bytes)
 
         spec, t, dims, device = self.spec, self.spec.trainer, self.dims, self.device
         ms = t.model_spec
@@ -261,8 +261,8 @@ class Run:
         param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision) if on_gpu else None
         if on_gpu:
             torch.backends.cuda.matmul.allow_tf32 = True
-            if t.precision == "fp16" and self.rank == 0:
-                log.warning("precision fp16 runs without loss scaling; bf16 is the safe choice on A100 or newer")
+        # fp16: dynamic loss scaling (also on CPU, where compute stays fp32: same maths, tested there).
+        scaler = DynamicLossScaler(enabled=t.precision == "fp16")
 
         meshes = build_meshes(dims, device.type)
         model = build_model(ms, device="meta")
@@ -278,7 +278,6 @@ class Run:
         model.init_weights(t.seed)
         model.train()
         params = list(model.parameters())
-        fsdp_root = meshes.fsdp is not None
         optimizer = build_optimizer(model, t, device)
 
         dp_rank = dims.dp_rank(self.rank)
@@ -296,6 +295,8 @@ class Run:
         describe = {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate}
         ckpt = CheckpointManager(self.run_uri, keep=spec.checkpoint.keep, async_mode=spec.checkpoint.async_mode,
                                  rank=self.rank, world_size=self.world, dp_rank=dp_rank, describe=describe)
+        if scaler.enabled:
+            ckpt.register("loss_scaler", scaler)
         total = t.total_steps
         metrics = self.metrics
 
@@ -345,21 +346,31 @@ class Run:
                     g["lr"] = lr
                 loss_acc = torch.zeros((), device=device)
                 accum = loader.accum_steps
-                for m_i, (x, y) in enumerate(loader.batches(step)):
-                    if fsdp_root and accum > 1:  # reduce-scatter once, after the last micro-batch
-                        model.set_requires_gradient_sync(m_i == accum - 1)
+                last = step == total - 1
+                grads_peak = 0
+                # Every micro-batch's backward reduce-scatters its gradients (FSDP2's default, as
+                # torchtitan): a rank holds sharded gradients between micro-batches, never the
+                # full-size accumulation that set_requires_gradient_sync(False) would keep.
+                for x, y in loader.batches(step):
                     with amp_context(device, param_dtype, meshes):
                         loss, ce = loss_fn(model(x), y, t.z_loss)
                         aux = model.aux_loss()
                     if aux is not None:
                         loss = loss + aux
-                    (loss / accum).backward()
+                    scaler.scale_loss(loss / accum).backward()
                     loss_acc += ce.detach() / accum
+                    if last:
+                        grads_peak = max(grads_peak, held_grad_bytes(model))
                 finish_expert_grads(model, dims, meshes)
+                scaler.unscale_(params)
                 gnorm = clip_grad_norm_(params, t.grad_clip)
-                optimizer.step()
-                if step == total - 1:
+                if scaler.update(gnorm):
+                    optimizer.step()
+                elif self.rank == 0:
+                    log.warning("fp16 overflow at step %d: step skipped, loss scale now %g", step, scaler.scale)
+                if last:
                     state_bytes = sharded_state_bytes(model, optimizer)  # grads + optimizer state present
+                    state_bytes["grads_peak"] = grads_peak  # most gradient bytes held during the step
                 optimizer.zero_grad(set_to_none=True)
                 if moe_layers and any(m.balance == "bias" for m in moe_layers):
                     counts = torch.stack([m.tokens_per_expert for m in moe_layers])
@@ -440,4 +451,5 @@ class Run:
             return finish(EXIT_DONE, "done")
         finally:
             poll_done.set()
+            loader.close()
             ckpt.close()

@@ -27,6 +27,8 @@ reduce-scatters gradients in fp32):
 ==============  ================================  =====================================
 params          4 B × local shard (fp32 master)   4 B × local shard
 grads           4 B × local shard (fp32 reduce)   4 B × local shard
+                (the trainer reduce-scatters after every micro-batch, so gradient accumulation
+                holds no full-size accumulator: the same bytes at any accumulation count)
 optimizer       AdamW: 8 B (two fp32 moments);    same
                 Muon: 4 B momentum on the 2-D block weights, AdamW's 8 B on the rest
 gathered        2 B × unsharded parameters in flight (ZeRO-3 and DDP/HSDP: the root unit + one

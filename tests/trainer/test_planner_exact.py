@@ -29,8 +29,12 @@ MOE = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_l
        "moe": {"n_experts": 4, "top_k": 2, "capacity_factor": 4.0, "balance": "bias"}}
 
 CASES = [
-    # id, nproc, model, parallel, optimizer
+    # id, nproc, model, parallel, optimizer[, extra trainer fields]
     ("fsdp-world2", 2, UNEVEN, {"dp_shard": 2}, "adamw"),
+    # Gradient accumulation: 8 micro-batches per step; the gradients held *between* micro-batches
+    # (grads_peak) must be the sharded size the planner counts, not full-size accumulators.
+    ("fsdp-world2-accum8", 2, UNEVEN, {"dp_shard": 2}, "adamw", {"batch_size": 16, "micro_batch_size": 1}),
+    ("fsdp2xtp2-accum2", 4, DENSE, {"dp_shard": 2, "tp": 2}, "adamw", {"batch_size": 8, "micro_batch_size": 2}),
     ("fsdp-world4-uneven", 4, UNEVEN, {"dp_shard": 4}, "adamw"),
     ("tp2", 2, DENSE, {"dp_shard": 1, "tp": 2}, "adamw"),
     ("fsdp2xtp2-muon", 4, DENSE, {"dp_shard": 2, "tp": 2}, "muon"),
@@ -40,11 +44,13 @@ CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,nproc,model,parallel,opt", CASES, ids=[c[0] for c in CASES])
-def test_planner_bytes_equal_trainer_shards(trainer, tmp_path, name, nproc, model, parallel, opt):
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_planner_bytes_equal_trainer_shards(trainer, tmp_path, case):
+    name, nproc, model, parallel, opt = case[:5]
+    extra = case[5] if len(case) > 5 else {}
     uri = "file://" + str(tmp_path / "run")
     job = trainer.job(name, nproc=nproc, run_uri=uri, model=model, parallel=parallel, steps=2, every=2,
-                      optimizer=opt)
+                      optimizer=opt, **extra)
     rc, out = trainer.run(job, nproc)
     assert rc == 0, out[-3000:]
     done = runuri.read_json(runuri.join(uri, runuri.DONE))
@@ -58,6 +64,8 @@ def test_planner_bytes_equal_trainer_shards(trainer, tmp_path, name, nproc, mode
         want = state_bytes_per_rank(ms, par, dp_rank=rank // tp, tp_rank=rank % tp, ep_rank=rank % ep,
                                     optimizer=opt, count_step_scalars=True)
         assert {k: got[k] for k in ("params", "grads", "optimizer")} == want, (rank, got, want)
+        # What the rank held at any point between micro-batches (accumulation included).
+        assert got["grads_peak"] == want["grads"], (rank, got, want)
     padded = state_bytes_per_rank(ms, par, optimizer=opt, padded=True, count_step_scalars=True)
     assert padded["params"] == measured[0]["params"]
     assert padded["params"] >= max(m["params"] for m in measured)
