@@ -22,11 +22,15 @@ uncommitted, logs a warning and training goes on; the next interval tries again.
 
 Resume takes the newest COMMITTED step; partial folders (no COMMITTED) are ignored (and removed
 at start-up when newer than it). A checkpoint whose model keys or shapes differ from the model
-raises ``ConfigError`` (exit 2): never a silent fresh start. A COMMITTED checkpoint that fails to
-load for another reason → warning, and the previous COMMITTED one is tried (every rank falls back
-together; the unloadable newer folder is then removed). If none loads, an error (exit 1, retry):
-never a fresh start over COMMITTED checkpoints. Before the emergency/STOP/final save every rank
-adopts rank 0's last COMMITTED step (``settle``).
+raises ``ConfigError`` (exit 2): never a silent fresh start. Reading a checkpoint tells two
+failures apart (:func:`classify`): a *storage* error (OSError — s3fs's form of a 503 SlowDown or
+a dropped connection —, timeouts, botocore/aiohttp errors) is retried with backoff, and if it
+persists the attempt ends (``CheckpointUnavailable``, exit 1, retried by the controller) with
+nothing deleted; a checkpoint *proven corrupt* (bad pickle, missing files, a shard that does not
+match its metadata) is quarantined — its COMMITTED moved to ``COMMITTED.quarantined`` with the
+reason, the folder kept — and the previous COMMITTED one is tried (every rank takes the same
+branch). If every COMMITTED checkpoint is corrupt: an error, never a fresh start. Before the
+emergency/STOP/final save every rank adopts rank 0's last COMMITTED step (``settle``).
 """
 
 from __future__ import annotations
@@ -45,12 +49,62 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from orchestrator.contract import runuri
-from trainer.errors import ConfigError
+from trainer.errors import CheckpointUnavailable, ConfigError
 
 log = logging.getLogger("trainer.checkpoint")
 
 # DCP's CheckpointException derives from BaseException: name it explicitly.
 _ERRORS = (Exception, CheckpointException)
+
+QUARANTINED = "COMMITTED.quarantined"
+"""A proven-corrupt checkpoint's COMMITTED record is moved here (with the reason): the folder is
+kept for inspection, no longer counts as committed, and is replaced only when training reaches
+that step again and saves it."""
+
+LOAD_RETRY_ENV = "DTRUN_DEBUG_LOAD_RETRY"
+"""Test-only knob ``"attempts,first_backoff_s"`` for reading a checkpoint (default 6 attempts,
+2 s doubling to 30 s: about a minute of a throttled or unreachable store before giving up)."""
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint that cannot load whatever the storage does (bad pickle, missing files, a
+    shard that does not match its metadata)."""
+
+
+# Deserialisation failures: the bytes were read and are wrong. Everything else that is not a
+# ConfigError — OSError and its subclasses (s3fs turns a 503 SlowDown or a dropped connection into
+# one), timeouts, botocore/aiohttp errors — is the storage talking, and is retried.
+_CORRUPT_TYPES = ("UnpicklingError", "EOFError", "ValueError", "RuntimeError", "KeyError", "IndexError",
+                  "TypeError", "AttributeError", "UnicodeDecodeError", "AssertionError", "CorruptCheckpoint")
+
+
+def classify(e: BaseException) -> str:
+    """``"corrupt"`` (proven: skip and quarantine) or ``"storage"`` (retry; never delete)."""
+    if isinstance(e, CheckpointException):
+        kinds = set()
+        for exc in e.failures.values():
+            inner = exc[0] if isinstance(exc, tuple) else exc
+            kinds.add(classify(inner) if isinstance(inner, BaseException) else "storage")
+        return "storage" if "storage" in kinds or not kinds else "corrupt"
+    if isinstance(e, FileNotFoundError):
+        return "corrupt"  # a file the metadata names is missing (S3 lists and reads consistently)
+    if isinstance(e, (OSError, TimeoutError, ConnectionError)):
+        return "storage"
+    mod = (type(e).__module__ or "").split(".")[0]
+    if mod in ("botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "urllib3", "requests", "gcsfs"):
+        return "storage"
+    names = {c.__name__ for c in type(e).__mro__}
+    if names & set(_CORRUPT_TYPES):
+        return "corrupt"
+    return "storage"
+
+
+def _load_retry() -> tuple[int, float]:
+    raw = os.environ.get(LOAD_RETRY_ENV)
+    if raw:
+        a, b = raw.split(",")
+        return max(1, int(a)), float(b)
+    return 6, 2.0
 
 
 def _storage_kwargs(uri: str) -> dict[str, Any]:
@@ -209,9 +263,12 @@ class CheckpointManager:
         if self.rank != 0:
             return
         for s in runuri.checkpoint_steps(self.run_uri):
-            if s > after and runuri.committed(self.run_uri, s) is None:
+            if s > after and runuri.committed(self.run_uri, s) is None and not self._quarantined(s):
                 log.warning("ignoring partial checkpoint step-%d (no COMMITTED); removing it", s)
                 runuri.remove(runuri.checkpoint_uri(self.run_uri, s), recursive=True)
+
+    def _quarantined(self, step: int) -> bool:
+        return runuri.exists(runuri.join(runuri.checkpoint_uri(self.run_uri, step), QUARANTINED))
 
     def committed_steps(self) -> list[int]:
         steps = []
@@ -224,34 +281,70 @@ class CheckpointManager:
         return steps
 
     def load_latest(self, model, optimizer, loader) -> dict[str, Any] | None:
-        """Load the newest loadable COMMITTED checkpoint; returns its ``train`` dict or None."""
+        """Load the newest loadable COMMITTED checkpoint; returns its ``train`` dict or None.
+
+        A storage error while reading (throttling, a dropped connection, a timeout) is retried
+        with backoff; if it persists, :class:`CheckpointUnavailable` ends the attempt (retryable)
+        and nothing is deleted. Only a checkpoint proven corrupt is skipped for the previous one,
+        and it is quarantined (COMMITTED moved to ``COMMITTED.quarantined``), not removed."""
         steps = self.committed_steps()
         self.clean_partial(steps[-1] if steps else -1)
+        attempts, backoff = _load_retry()
         for step in reversed(steps):
             uri = runuri.checkpoint_uri(self.run_uri, step)
-            try:
-                train = self._load(uri, model, optimizer, loader)
-            except ConfigError:
-                raise
-            except _ERRORS as e:  # noqa: BLE001
-                log.warning("checkpoint step-%d is COMMITTED but failed to load (%s); trying the previous one",
-                            step, _short(e))
+            for attempt in range(1, attempts + 1):
+                try:
+                    train = self._load(uri, model, optimizer, loader)
+                    break
+                except ConfigError:
+                    raise
+                except _ERRORS as e:  # noqa: BLE001
+                    kind = self._agree(classify(e))
+                    if kind == "corrupt":
+                        log.warning("checkpoint step-%d is COMMITTED but corrupt (%s); quarantining it and "
+                                    "trying the previous one", step, _short(e))
+                        self._quarantine(step, _short(e))
+                        train = None
+                        break
+                    if attempt == attempts:
+                        raise CheckpointUnavailable(
+                            f"reading checkpoint step-{step} failed {attempts} times with storage errors "
+                            f"(last: {_short(e)}); nothing deleted — the next attempt retries") from None
+                    wait = min(backoff * 2 ** (attempt - 1), 30.0)
+                    log.warning("checkpoint step-%d: storage error while reading (%s); retry %d/%d in %.1f s",
+                                step, _short(e), attempt, attempts - 1, wait)
+                    time.sleep(wait)
+            if train is None:
                 continue
             self.last_committed = step
             self.last_saved_step = step
-            if self.rank == 0:
-                for newer in (s for s in steps if s > step):
-                    # Unloadable: remove it, or its stale COMMITTED would vouch for the mix of old and
-                    # new files a later save of the same step leaves behind if it is killed midway.
-                    log.warning("removing unloadable checkpoint step-%d (resuming from step-%d)", newer, step)
-                    runuri.remove(runuri.checkpoint_uri(self.run_uri, newer), recursive=True)
             return train
         if steps:
-            # Never a silent fresh start over COMMITTED checkpoints (a storage outage at resume would
-            # otherwise restart the run from step 0 and retention would then delete the good ones).
-            raise RuntimeError(f"{len(steps)} COMMITTED checkpoint(s) under {self.run_uri} (steps {steps}) but none "
-                               f"could be loaded; not starting from scratch (retry, or use a fresh run URI)")
+            # Never a silent fresh start over COMMITTED checkpoints.
+            raise CheckpointUnavailable(f"{len(steps)} COMMITTED checkpoint(s) under {self.run_uri} (steps {steps}) "
+                                        f"but every one is corrupt (quarantined); not starting from scratch "
+                                        f"(use a fresh run URI, or restore a COMMITTED.quarantined marker)")
         return None
+
+    def _agree(self, kind: str) -> str:
+        """Every rank takes the same branch: "storage" (retry) if any rank saw a storage error."""
+        if not dist.is_initialized():
+            return kind
+        kinds: list[Any] = [None] * dist.get_world_size(self.pg)
+        dist.all_gather_object(kinds, kind, group=self.pg)
+        return "storage" if "storage" in kinds else "corrupt"
+
+    def _quarantine(self, step: int, reason: str) -> None:
+        """Rank 0: move the step's COMMITTED marker aside (write the copy first, then remove)."""
+        if self.rank != 0:
+            return
+        uri = runuri.checkpoint_uri(self.run_uri, step)
+        try:
+            rec = runuri.committed(self.run_uri, step) or {}
+            runuri.write_json(runuri.join(uri, QUARANTINED), {**rec, "quarantined_at": time.time(), "reason": reason})
+            runuri.remove(runuri.join(uri, runuri.COMMITTED))
+        except Exception as e:  # noqa: BLE001 - then it stays COMMITTED and is tried again next time
+            log.warning("could not quarantine checkpoint step-%d: %s", step, _short(e))
 
     def _load(self, uri: str, model, optimizer, loader) -> dict[str, Any]:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -260,16 +353,21 @@ class CheckpointManager:
         # Every rank reads the metadata; a read that fails on one rank only (a transient storage
         # error) must send *every* rank to the previous checkpoint, not leave the others alone in
         # the collective dcp.load below.
+        exc: BaseException | None = None
         try:
             md, err = _reader(uri).read_metadata().state_dict_metadata, None
         except _ERRORS as e:  # noqa: BLE001
-            md, err = None, _short(e)
+            md, err, exc = None, (classify(e), _short(e)), e
         if dist.is_initialized():
             errs: list[Any] = [None] * dist.get_world_size(self.pg)
             dist.all_gather_object(errs, err, group=self.pg)
-            err = next((f"rank {r}: {x}" for r, x in enumerate(errs) if x is not None), None)
-        if err is not None:
-            raise RuntimeError(f"reading the checkpoint metadata failed ({err})")
+            bad = [(r, x) for r, x in enumerate(errs) if x is not None]
+            if bad and exc is None:
+                r, (kind, msg) = bad[0]
+                msg = f"rank {r}: reading the checkpoint metadata failed ({msg})"
+                exc = CorruptCheckpoint(msg) if all(k == "corrupt" for _, (k, _m) in bad) else OSError(msg)
+        if exc is not None:
+            raise exc
         _check_model_shapes(uri, sd["model"], md)
         for k in [k for k in sd if k.startswith(("data_dp", "rng_rank")) or k in self.extra]:
             if not any(m == k or m.startswith(k + ".") for m in md):

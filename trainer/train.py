@@ -35,7 +35,7 @@ from typing import Any
 
 from orchestrator.contract import runuri
 from orchestrator.contract.runuri import EXIT_BAD_CONFIG, EXIT_DONE, EXIT_PREEMPTED
-from trainer.errors import ConfigError
+from trainer.errors import CheckpointUnavailable, ConfigError
 
 log = logging.getLogger("trainer")
 
@@ -123,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"dtrun trainer: error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_CONFIG
+    except CheckpointUnavailable as e:  # storage trouble at resume: retryable, nothing deleted
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"dtrun trainer: error: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 class Run:

@@ -276,14 +276,15 @@ def test_corrupt_newest_committed_checkpoint_falls_back_to_the_previous(tmp_path
         train = CheckpointManager(uri, keep=3, async_mode="async", rank=0, world_size=1, dp_rank=0,
                                   describe={}).load_latest(m2, torch.optim.AdamW(m2.parameters()), fresh)
     assert train["step"] == 2 and train["tokens"] == 14 and fresh.samples_seen == 4
-    assert "step-4 is COMMITTED but failed to load" in caplog.text
+    assert "step-4 is COMMITTED but corrupt" in caplog.text
     assert torch.equal(m2.tok_emb.weight, model.tok_emb.weight)
-    # The unloadable step-4 is gone: a later save of step 4 cannot mix with its files under its COMMITTED.
-    assert runuri.checkpoint_steps(uri) == [2]
+    # The corrupt step-4 is quarantined, not deleted: its COMMITTED moved aside, the files kept.
+    assert runuri.checkpoint_steps(uri) == [2, 4] and runuri.committed(uri, 4) is None
+    assert (tmp_path / "run/checkpoints/step-4/COMMITTED.quarantined").exists()
 
     # Every COMMITTED checkpoint unloadable: an error, never a silent start from step 0.
     (tmp_path / "run/checkpoints/step-2/.metadata").write_bytes(b"not a pickle")
-    with pytest.raises(RuntimeError, match="none could be loaded"):
+    with pytest.raises(RuntimeError, match="every one is corrupt"):
         CheckpointManager(uri, keep=3, async_mode="async", rank=0, world_size=1, dp_rank=0,
                           describe={}).load_latest(m2, torch.optim.AdamW(m2.parameters()), fresh)
 
@@ -383,13 +384,20 @@ for step in (1, 2):
     opt.step()
     mgr.save(step, mgr.state_dict(model, opt, Loader(), {"step": step, "tokens": 0, "loss": 0.0}), {}, sync=True)
 dist.barrier()
-if rank == 1:  # a transient storage error on rank 1 only, reading step-2's metadata
+calls = [0]
+if rank == 1:  # rank 1 only, reading step-2's metadata: twice a storage error, or always a bad pickle
+    import pickle
     orig = checkpoint._reader
     def flaky(uri):
         r = orig(uri)
         if uri.endswith("step-2"):
             def boom():
-                raise OSError("injected: connection reset")
+                calls[0] += 1
+                if sys.argv[2] == "corrupt":
+                    raise pickle.UnpicklingError("injected: invalid load key")
+                if calls[0] <= 2:
+                    raise OSError("injected: connection reset")
+                return orig(uri).read_metadata()
             r.read_metadata = boom
         return r
     checkpoint._reader = flaky
@@ -401,7 +409,10 @@ dist.destroy_process_group()
 '''
 
 
-def test_metadata_read_failing_on_one_rank_sends_every_rank_to_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode,want", [("transient", 2), ("corrupt", 1)])
+def test_metadata_read_failing_on_one_rank_keeps_every_rank_on_the_same_branch(tmp_path, mode, want):
+    """A storage error on one rank: every rank retries the same checkpoint (and resumes it once
+    the storage answers); a corrupt read on one rank: every rank falls back together."""
     import os
     import signal
     import subprocess
@@ -412,9 +423,10 @@ def test_metadata_read_failing_on_one_rank_sends_every_rank_to_the_previous_chec
     script.write_text(_ONE_RANK_READ_FAILS_SCRIPT)
     repo = Path(__file__).resolve().parents[2]
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(script), f"file://{tmp_path}/run"], cwd=repo, stdout=subprocess.PIPE,
+                          str(script), f"file://{tmp_path}/run", mode], cwd=repo, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo),
+                              "DTRUN_DEBUG_LOAD_RETRY": "4,0.05"})
     try:
         out, _ = p.communicate(timeout=90)
     except subprocess.TimeoutExpired:  # the ranks disagreed and hung in dcp.load
@@ -422,7 +434,7 @@ def test_metadata_read_failing_on_one_rank_sends_every_rank_to_the_previous_chec
         out, _ = p.communicate()
         raise AssertionError(f"ranks hung: {out[-2000:]}") from None
     assert p.returncode == 0, out[-3000:]
-    assert "RANK0 resumed=1" in out and "RANK1 resumed=1" in out, out[-3000:]
+    assert f"RANK0 resumed={want}" in out and f"RANK1 resumed={want}" in out, out[-3000:]
 
 
 def test_metrics_writes_do_not_stall_the_loop_and_are_flushed_on_close(tmp_path, monkeypatch):
