@@ -37,8 +37,8 @@ import torch
 from trainer import shards as shardfmt
 from trainer.errors import ConfigError
 
-READ_BLOCK_BYTES = 8 << 20
-"""One ranged GET per aligned block of this size (remote shards)."""
+READ_BLOCK_BYTES = int(os.environ.get("DTRUN_DATA_BLOCK_BYTES", 8 << 20))
+"""One ranged GET per aligned block of this size (remote shards); env ``DTRUN_DATA_BLOCK_BYTES``."""
 CACHE_BLOCKS = 8
 """Blocks kept per shard source (LRU): every rank of a data-parallel group reads the same blocks."""
 PREFETCH_STEPS = 2
