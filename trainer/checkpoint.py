@@ -11,14 +11,22 @@ One manager over a dict of stateful things (torchtitan's ``components/checkpoint
   step-derived position / a seeded RNG).
 
 Saves go to ``<run-uri>/checkpoints/step-<N>/`` through fsspec (s3fs for ``s3://``, endpoint from
-``AWS_ENDPOINT_URL``; credentials from the standard AWS chain, never logged). ``async`` mode uses
-``dcp.async_save`` on a dedicated gloo process group: the loop stalls only while the state is
-staged (copied); the upload runs in a background thread. Rank 0 writes ``COMMITTED`` (JSON) once
-the save's future completes — DCP's final metadata write happens after every rank's data is
-written, so that means every rank is done. The next save first waits for the previous one. After
-a commit, rank 0 keeps the newest ``keep`` COMMITTED steps and deletes older steps. A failed save
-(storage error after s3fs's own retries, plus one whole-save retry for sync saves) leaves the step
-uncommitted, logs a warning and training goes on; the next interval tries again.
+``AWS_ENDPOINT_URL``; credentials from the standard AWS chain, never logged), each rank writing
+``UPLOAD_THREADS`` files concurrently (on S3: that many multipart uploads at once). ``async``
+mode uses ``dcp.async_save`` on a dedicated gloo process group: the loop stalls only while the
+state is staged (copied) into host buffers that one stager keeps across saves (pinned on GPU
+nodes: no fresh allocation per save); the upload runs in a background thread. Rank 0 writes
+``COMMITTED`` (JSON) once the save's future completes — DCP's final metadata write happens after
+every rank's data is written, so that means every rank is done — and then applies retention
+(keep the newest ``keep`` COMMITTED steps), both on a committer thread: the loop never waits for
+them. The next save first waits for the previous one. A failed save (storage error after s3fs's
+own retries, plus one whole-save retry for sync saves) leaves the step uncommitted, logs a warning
+and training goes on; the next interval tries again.
+
+The emergency save at a preemption notice is bounded (:func:`emergency_plan`, ``NOTICE_S``): it
+waits for an in-flight upload only as long as the notice allows and abandons it otherwise, then
+saves the current step on its own process group only if a whole save (as last measured) still
+fits.
 
 Resume takes the newest COMMITTED step; partial folders (no COMMITTED) are ignored (and removed
 at start-up when newer than it). A checkpoint whose model keys or shapes differ from the model
@@ -38,8 +46,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -114,13 +123,51 @@ def _storage_kwargs(uri: str) -> dict[str, Any]:
     return {}
 
 
-def _writer(uri: str):
+UPLOAD_THREADS = int(os.environ.get("DTRUN_CKPT_UPLOAD_THREADS", "8"))
+"""Files each rank writes concurrently (DCP ``thread_count``): on S3 each file is its own
+multipart upload, so a rank's state goes up as this many concurrent streams, not one."""
+
+NOTICE_S = float(os.environ.get("DTRUN_PREEMPTION_NOTICE_S", "30"))
+"""The preemption notice the emergency save must fit (GCP and Azure give 30 s, AWS 120 s)."""
+
+
+def _writer(uri: str, threads: int | None = None):
+    n = max(1, threads or UPLOAD_THREADS)
     lp = runuri.local_path(uri)
     if lp is not None:
-        return dcp.FileSystemWriter(lp, sync_files=False)
+        return dcp.FileSystemWriter(lp, sync_files=False, thread_count=n)
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    return FsspecWriter(uri, sync_files=False, **_storage_kwargs(uri))
+    return FsspecWriter(uri, sync_files=False, thread_count=n, **_storage_kwargs(uri))
+
+
+def _stager(pinned: bool):
+    """One stager for the run: DCP's ``StateDictStager`` keeps a CPU copy per source storage, so
+    every save after the first reuses the same (pinned, on GPU) host buffers."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+def emergency_plan(elapsed_s: float, inflight_left_s: float | None, save_s: float | None,
+                   notice_s: float = NOTICE_S, margin_s: float = 3.0) -> tuple[float, bool]:
+    """At a preemption notice: (seconds to wait for the in-flight upload, whether to save the
+    current step afterwards).
+
+    ``elapsed_s``: time since the notice; ``inflight_left_s``: estimated seconds the in-flight
+    upload still needs (None: none in flight); ``save_s``: how long a save of this state took
+    last time (None: never measured). Wait for the in-flight upload only as long as the notice
+    allows; save the current step only if a whole save fits after that (with ``margin_s`` for
+    COMMITTED and exit). An upload that cannot finish in time is abandoned (its step stays
+    uncommitted; the previous COMMITTED one is the fallback)."""
+    left = notice_s - elapsed_s - margin_s
+    wait = 0.0
+    if inflight_left_s is not None:
+        wait = max(0.0, min(inflight_left_s, left))
+        left -= wait
+    need = save_s if save_s is not None else 0.0
+    return wait, need <= left
 
 
 def _reader(uri: str):
@@ -134,15 +181,25 @@ def _reader(uri: str):
 
 class CheckpointManager:
     def __init__(self, run_uri: str, *, keep: int, async_mode: str, rank: int, world_size: int,
-                 dp_rank: int, describe: dict[str, Any]):
+                 dp_rank: int, describe: dict[str, Any], pinned: bool = False):
         self.run_uri, self.keep, self.async_mode = run_uri, keep, async_mode
         self.rank, self.world_size, self.dp_rank = rank, world_size, dp_rank
         self.describe = describe  # parallel degrees etc., recorded in COMMITTED
         self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self._pending: tuple[int, Future, dict[str, Any]] | None = None
+        # The emergency save's own group: an in-flight async upload abandoned at a notice may still
+        # run collectives on self.pg in its thread.
+        self.pg_emergency = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._pending: tuple[int, Future, dict[str, Any], float] | None = None
         self.last_committed: int | None = None
         self.last_saved_step: int | None = None
         self.stall_s: list[float] = []  # loop stall per save (staging for async; whole save for sync)
+        self.upload_s: list[float] = []  # whole save durations (start → every rank's data written)
+        self.abandoned: int | None = None  # step of an upload left behind at a notice
+        self._stager = _stager(pinned=pinned)
+        # Rank 0 writes COMMITTED and applies retention here, off the training loop.
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtrun-commit")
+        self._commit_futs: list[Future] = []
+        self._lock = threading.Lock()
         self.extra: dict[str, Any] = {}  # name → object with state_dict()/load_state_dict() (register)
 
     def register(self, name: str, obj: Any) -> None:
@@ -160,29 +217,37 @@ class CheckpointManager:
         return sd
 
     # ---- save --------------------------------------------------------------------------------
-    def save(self, step: int, sd: dict[str, Any], meta: dict[str, Any], *, sync: bool = False) -> None:
-        """Save step ``step``; async unless ``sync`` or the spec says sync. Waits for the previous."""
-        self.wait()
+    def save(self, step: int, sd: dict[str, Any], meta: dict[str, Any], *, sync: bool = False,
+             emergency: bool = False) -> None:
+        """Save step ``step``; async unless ``sync`` or the spec says sync. Waits for the previous
+        (unless ``emergency``: then it runs on its own process group beside an abandoned upload)."""
+        if not emergency:
+            self.wait()
         uri = runuri.checkpoint_uri(self.run_uri, step)
         t0 = time.perf_counter()
         self.last_saved_step = step
+        pg = self.pg_emergency if emergency else self.pg
         if sync or self.async_mode == "sync":
             ok = False
             for attempt in (1, 2):
                 try:
-                    dcp.save(sd, storage_writer=_writer(uri), process_group=self.pg)
+                    dcp.save(sd, storage_writer=_writer(uri), process_group=pg)
                     ok = True
                     break
                 except _ERRORS as e:  # noqa: BLE001 - storage errors of any backend
                     log.warning("checkpoint step %d: save attempt %d failed: %s", step, attempt, _short(e))
+                    if emergency:
+                        break  # no time for a second try inside the notice
             self.stall_s.append(time.perf_counter() - t0)
             if ok:
-                self._commit(step, meta)
+                self.upload_s.append(time.perf_counter() - t0)
+                self._committed_here(step, meta, wait=True)
             else:
                 log.warning("checkpoint step %d NOT committed; training continues", step)
             return
         try:
-            fut = dcp.async_save(sd, storage_writer=_writer(uri), process_group=self.pg)
+            fut = dcp.async_save(sd, storage_writer=_writer(uri), process_group=self.pg,
+                                 async_stager=self._stager)
             if hasattr(fut, "upload_completion"):  # AsyncSaveResponse (custom stagers)
                 fut.staging_completion.result()
                 fut = fut.upload_completion
@@ -192,44 +257,88 @@ class CheckpointManager:
                         step, _short(e))
             return
         self.stall_s.append(time.perf_counter() - t0)
-        self._pending = (step, fut, meta)
+        self._pending = (step, fut, meta, t0)
 
     def poll(self) -> None:
-        """Commit a finished async save (non-blocking)."""
+        """Note a finished async save (non-blocking; rank 0 commits it on the committer thread)."""
         if self._pending is not None and self._pending[1].done():
-            self.wait()
+            self.wait(drain=False)
 
-    def wait(self) -> None:
-        """Block until the in-flight async save finishes; commit it if it succeeded."""
+    def wait(self, timeout: float | None = None, drain: bool = True) -> bool:
+        """Block (at most ``timeout`` s) until the in-flight async save finishes; commit it if it
+        succeeded (``drain``: and until rank 0's COMMITTED write is done). False: still running
+        after ``timeout`` (it stays pending)."""
         if self._pending is None:
-            return
-        step, fut, meta = self._pending
-        self._pending = None
+            if drain:
+                self._drain_commits()
+            return True
+        step, fut, meta, t0 = self._pending
         try:
-            fut.result()
+            fut.result(timeout=timeout)
+        except TimeoutError:
+            if not fut.done():
+                return False
+            self._pending = None
+            log.warning("checkpoint step %d: async save timed out; NOT committed, training continues", step)
+            return True
         except _ERRORS as e:  # noqa: BLE001
+            self._pending = None
             log.warning("checkpoint step %d: async save failed (%s); NOT committed, training continues",
                         step, _short(e))
-            return
-        self._commit(step, meta)
+            return True
+        self._pending = None
+        self.upload_s.append(time.perf_counter() - t0)
+        self._committed_here(step, meta, wait=drain)
+        return True
 
-    def settle(self) -> int | None:
-        """Collective: finish the in-flight save, then adopt rank 0's last COMMITTED step.
+    def inflight_left_s(self) -> float | None:
+        """Estimated seconds the in-flight upload still needs (None: nothing in flight)."""
+        if self._pending is None:
+            return None
+        typical = max(self.upload_s) if self.upload_s else NOTICE_S
+        return max(0.0, typical - (time.perf_counter() - self._pending[3]))
+
+    def abandon(self) -> None:
+        """Stop waiting for the in-flight upload (a preemption notice it cannot finish within):
+        its step is never committed; its thread is left to die with the process."""
+        if self._pending is not None:
+            self.abandoned = self._pending[0]
+            log.warning("checkpoint step %d: upload cannot finish within the notice; abandoned", self.abandoned)
+            self._pending = None
+
+    def settle(self, timeout: float | None = None) -> int | None:
+        """Collective: finish the in-flight save (waiting at most ``timeout`` s, else abandon it),
+        wait for rank 0's COMMITTED write, then adopt rank 0's last COMMITTED step.
 
         Only rank 0 writes ``COMMITTED``; if that write fails, rank 0 alone forgets the step. Every
         rank must take the same branch at the decision points (emergency/STOP/final save, DONE),
         or rank 0 would enter a collective save alone and hang."""
-        self.wait()
+        if not self.wait(timeout):
+            self.abandon()
+            self._drain_commits()
         if dist.is_initialized():
             box = [self.last_committed]
-            dist.broadcast_object_list(box, src=0, group=self.pg)
+            dist.broadcast_object_list(box, src=0, group=self.pg_emergency)
             self.last_committed = box[0]
         return self.last_committed
 
-    def _commit(self, step: int, meta: dict[str, Any]) -> None:
-        self.last_committed = step
+    def _drain_commits(self) -> None:
+        for f in self._commit_futs:
+            f.result()
+        self._commit_futs = []
+
+    def _committed_here(self, step: int, meta: dict[str, Any], wait: bool = False) -> None:
+        """This rank's part of ``step`` is written (rank 0: every rank's). Rank 0 writes COMMITTED
+        and runs retention on the committer thread; the loop goes on."""
         if self.rank != 0:
+            self.last_committed = step
             return
+        self._commit_futs = [f for f in self._commit_futs if not f.done()]
+        self._commit_futs.append(self._committer.submit(self._commit, step, meta))
+        if wait:
+            self._drain_commits()
+
+    def _commit(self, step: int, meta: dict[str, Any]) -> None:
         rec = {"step": step, "world_size": self.world_size, "parallel": self.describe, "time": time.time(), **meta}
         uri = runuri.checkpoint_uri(self.run_uri, step)
         for attempt in (1, 2, 3):
@@ -240,8 +349,11 @@ class CheckpointManager:
                 log.warning("checkpoint step %d: COMMITTED write attempt %d failed: %s", step, attempt, _short(e))
                 time.sleep(0.5 * attempt)
         else:
-            self.last_committed = None
+            with self._lock:
+                self.last_committed = None
             return
+        with self._lock:
+            self.last_committed = step
         log.info("checkpoint step %d committed", step)
         self._retain()
 
@@ -392,7 +504,11 @@ class CheckpointManager:
         return sd["train"]
 
     def close(self) -> None:
-        self.wait()
+        if self.abandoned is None:
+            self.wait()
+        self._drain_commits()
+        self._committer.shutdown(wait=True)
+        self._stager.close()
 
 
 def _check_model_shapes(uri: str, msd: dict[str, Any], md: dict[str, Any]) -> None:

@@ -83,10 +83,13 @@ def probe_run_uri(uri: str) -> None:
 class _Flags:
     def __init__(self) -> None:
         self.sigterm = False
+        self.sigterm_at: float | None = None  # time.monotonic() of the first SIGTERM
         self.stop = False
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
         self.sigterm = True
+        if self.sigterm_at is None:
+            self.sigterm_at = time.monotonic()
 
 
 def _stop_poller(uri: str, flags: _Flags, done: threading.Event) -> None:
@@ -118,7 +121,17 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.get("RANK", "0")), stream=sys.stdout)
     args = _parse(sys.argv[1:] if argv is None else argv)
     try:
-        return Run(args).run()
+        run = Run(args)
+        code = run.run()
+        if run.abandoned_upload:
+            # A checkpoint upload abandoned at a preemption notice still runs in DCP's worker
+            # thread; interpreter shutdown would join it. The emergency state is committed: go.
+            log.warning("exiting %d without waiting for the abandoned upload", code)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     except ConfigError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"dtrun trainer: error: {e}", file=sys.stderr, flush=True)
@@ -142,6 +155,7 @@ class Run:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.abandoned_upload = False
 
     def run(self) -> int:
         from trainer.parallel import ParallelDims
@@ -210,7 +224,7 @@ class Run:
             finally:
                 self.metrics.close()
         finally:
-            if dist.is_initialized():
+            if dist.is_initialized() and not self.abandoned_upload:  # an abandoned upload may still use it
                 dist.destroy_process_group()
 
     def _trackers(self):
@@ -251,7 +265,7 @@ class Run:
         import torch
         import torch.distributed as dist
 
-        from trainer.checkpoint import CheckpointManager, param_digest
+        from trainer.checkpoint import CheckpointManager, emergency_plan, param_digest
         from trainer.data import DataLoader, build_source
         from trainer.model import build_model, loss_fn
         from trainer.optim import build_optimizer, lr_at
@@ -298,7 +312,8 @@ class Run:
                                micro_batch=self.mb, dp=dims.dp, dp_rank=dp_rank) if vf else None)
         describe = {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate}
         ckpt = CheckpointManager(self.run_uri, keep=spec.checkpoint.keep, async_mode=spec.checkpoint.async_mode,
-                                 rank=self.rank, world_size=self.world, dp_rank=dp_rank, describe=describe)
+                                 rank=self.rank, world_size=self.world, dp_rank=dp_rank, describe=describe,
+                                 pinned=on_gpu)
         if scaler.enabled:
             ckpt.register("loss_scaler", scaler)
         total = t.total_steps
@@ -327,12 +342,12 @@ class Run:
         moe_layers = model.moe_layers()
         t_start = time.time()
 
-        def save(at: int, sync: bool = False) -> None:
+        def save(at: int, sync: bool = False, emergency: bool = False) -> None:
             in_loop = metrics.phase == "training"  # else: stopping (the final/emergency save)
             if in_loop:
                 metrics.set_phase("checkpointing")
             sd = ckpt.state_dict(model, optimizer, loader, {"step": at, "tokens": tokens, "loss": last_loss})
-            ckpt.save(at, sd, {"tokens": tokens, "loss": last_loss}, sync=sync)
+            ckpt.save(at, sd, {"tokens": tokens, "loss": last_loss}, sync=sync, emergency=emergency)
             if in_loop:
                 metrics.set_phase("training")
 
@@ -406,11 +421,26 @@ class Run:
                 metrics.step(step, last_loss, float(gnorm), lr, ckpt.last_committed)
 
                 if term > 0:
-                    log.warning("SIGTERM: emergency checkpoint at step %d", step)
                     metrics.set_phase("stopping")
-                    ckpt.settle()
+                    # Bounded by the notice: rank 0 decides how long to wait for an in-flight upload
+                    # and whether a save of this step still fits (from measured save times).
+                    plan = [None]
+                    if self.rank == 0:
+                        elapsed = time.monotonic() - (flags.sigterm_at or time.monotonic())
+                        plan = [emergency_plan(elapsed, ckpt.inflight_left_s(),
+                                               max(ckpt.upload_s) if ckpt.upload_s else None)]
+                    if dist.is_initialized():
+                        dist.broadcast_object_list(plan, src=0, group=ckpt.pg_emergency)
+                    wait_s, fits = plan[0]
+                    ckpt.settle(timeout=wait_s)
+                    self.abandoned_upload = ckpt.abandoned is not None
                     if ckpt.last_committed != step:
-                        save(step, sync=True)
+                        if fits:
+                            log.warning("SIGTERM: emergency checkpoint at step %d", step)
+                            save(step, sync=True, emergency=True)
+                        else:
+                            log.warning("SIGTERM: a save of step %d does not fit the notice; resuming from "
+                                        "step %s", step, ckpt.last_committed)
                     return finish(EXIT_PREEMPTED, "preempted")
                 if stop > 0:
                     if self.rank == 0:
