@@ -10,8 +10,9 @@ Shapes follow the ModelSpec exactly, so ``sum(p.numel())`` equals ``ModelSpec.nu
 * pre-norm blocks: ``x + attn(norm1(x))`` then ``x + ffn(norm2(x))``; SDPA attention (flash on GPU),
   grouped-query heads, rotary (``pos: rope``) or learned absolute positions;
 * QK-norm (``qk_norm``): an RMSNorm over each head's queries and keys (weights of ``head_dim``);
-* feed-forward: GELU MLP or SwiGLU; or a MoE layer: a top-k softmax router, a capacity factor
-  (overflow assignments are dropped: the token keeps only the residual for that slot), and load
+* feed-forward: GELU MLP or SwiGLU; or a MoE layer: a top-k softmax router, dropless by default
+  (an optional capacity factor zeroes the overflow assignments' gates: the token keeps only the
+  residual for that slot), experts as one grouped GEMM over expert-sorted tokens, and load
   balancing by an auxiliary loss (Switch/GShard) or a DeepSeek-V3 style router-bias update;
 * tied or separate output head.
 
@@ -96,6 +97,31 @@ class MLP(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
+def _gmm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: 16-byte aligned rows; bf16 on CUDA
+    (Hopper's grouped GEMM) and under torch.compile (its meta kernel wants bf16); eager CPU takes
+    fp32 too."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    e = x.element_size()
+    if (x.shape[-1] * e) % 16 or (w.shape[-1] * e) % 16:
+        return False
+    if x.dtype == torch.bfloat16:
+        return x.device.type in ("cpu", "cuda")
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``x`` (M, a) rows grouped by expert (``counts[e]`` rows for expert ``e``) times ``w[e]``
+    (E, a, b): one grouped GEMM with device-side offsets (no host sync). Fallback where the kernel
+    does not apply: a loop over ``torch.unbind(w)`` (one host sync for the split sizes)."""
+    if _gmm_ok(x, w):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(x, w, offs=offs)
+    outs = [xe @ we for xe, we in zip(torch.split(x, counts.tolist()), torch.unbind(w))]
+    return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[-1])
+
+
 class Experts(nn.Module):
     """All experts of one MoE layer as stacked weights ``(n_experts, in, out)``.
 
@@ -123,38 +149,46 @@ class Experts(nn.Module):
             return None
         t = t.to_local() if hasattr(t, "to_local") else t
         # Expert-parallel weights are outside FSDP's mixed precision: compute in the input's dtype.
-        return t.to(dtype)
+        return t if t.dtype == dtype else t.to(dtype)
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``x`` holds tokens grouped by local expert, ``counts[e]`` of them for expert ``e``."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` holds tokens grouped by local expert, ``counts[e]`` of them for expert ``e``
+        (a device tensor); ``expert_ids`` (per row) only when there are biases."""
         dt = x.dtype
         w1, w2, w3 = self._local(self.w1, dt), self._local(self.w2, dt), self._local(self.w3, dt)
         b1, b2, b3 = self._local(self.b1, dt), self._local(self.b2, dt), self._local(self.b3, dt)
-        outs = []
-        for e, xe in enumerate(torch.split(x, counts)):
-            h = xe @ w1[e]
-            if b1 is not None:
-                h = h + b1[e]
-            if self.swiglu:
-                g = xe @ w3[e]
-                if b3 is not None:
-                    g = g + b3[e]
-                h = F.silu(h) * g
-            else:
-                h = F.gelu(h)
-            y = h @ w2[e]
-            if b2 is not None:
-                y = y + b2[e]
-            outs.append(y)
-        return torch.cat(outs, dim=0) if outs else x.new_zeros(0, x.shape[-1])
+        if b1 is not None and expert_ids is None:
+            expert_ids = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
+                                                 output_size=x.shape[0])
+        h = grouped_mm(x, w1, counts)
+        if b1 is not None:
+            h = h + b1[expert_ids]
+        if self.swiglu:
+            g = grouped_mm(x, w3, counts)
+            if b3 is not None:
+                g = g + b3[expert_ids]
+            h = F.silu(h) * g
+        else:
+            h = F.gelu(h)
+        y = grouped_mm(h, w2, counts)
+        if b2 is not None:
+            y = y + b2[expert_ids]
+        return y
 
 
 class MoE(nn.Module):
-    """Top-k routed experts with a capacity factor and load balancing.
+    """Top-k routed experts, dropless by default, with load balancing.
+
+    Without expert parallelism the forward has no host synchronisation: tokens are sorted by
+    expert on the device (``argsort``), counted with ``scatter_add`` (``bincount`` would sync), run
+    through one grouped GEMM per expert weight and combined by a gather (each token has exactly
+    ``top_k`` rows). A capacity factor, when set, zeroes the gates of the overflow assignments
+    (the first ``C`` per expert, in token order, are kept) instead of compacting, so shapes stay
+    static. ``torch.compile`` sees no graph break in this block.
 
     ``ep_group`` (set by parallel.py) is the expert-parallel process group: tokens go to the rank
-    that owns their expert with ``all_to_all_single`` (uneven split sizes) and come back the same
-    way. ``None`` runs every expert locally.
+    that owns their expert with ``all_to_all_single`` (uneven split sizes, which the host must
+    know: one count exchange per layer) and come back the same way.
     """
 
     def __init__(self, spec: ModelSpec):
@@ -181,38 +215,37 @@ class MoE(nn.Module):
         with torch.no_grad():
             sel = torch.topk(probs + self.expert_bias, k, dim=-1).indices  # (N, k)
         gates = probs.gather(1, sel)
-        gates = (gates / gates.sum(-1, keepdim=True)).to(x.dtype)
+        gates = (gates / gates.sum(-1, keepdim=True)).reshape(-1)  # (N·k,) fp32
 
         flat_e = sel.reshape(-1)
-        counts_all = torch.bincount(flat_e, minlength=E)
+        ones = torch.ones_like(flat_e, dtype=torch.float32)
+        counts_f = torch.zeros(E, device=x.device, dtype=torch.float32).scatter_add_(0, flat_e, ones)
         if self.training:
             with torch.no_grad():
-                self.tokens_per_expert += counts_all.to(self.tokens_per_expert.dtype)
+                self.tokens_per_expert.add_(counts_f.to(self.tokens_per_expert.dtype))
         if self.balance == "aux_loss" and self.aux_coef > 0:
-            frac = counts_all.to(probs.dtype) / (N * k)
-            self.aux_loss = self.aux_coef * E * (frac * probs.mean(0)).sum()
+            self.aux_loss = self.aux_coef * E * (counts_f / (N * k) * probs.mean(0)).sum()
         else:
             self.aux_loss = None
+        counts = counts_f.to(torch.int64)
 
-        # Capacity: each expert takes at most C of this rank's assignments; the rest are dropped.
-        cap = max(1, math.ceil(self.capacity_factor * N * k / E))
-        order = torch.argsort(flat_e, stable=True)
+        order = torch.argsort(flat_e, stable=True)  # assignments grouped by expert, token order kept
         sorted_e = flat_e[order]
-        starts = torch.cumsum(counts_all, 0) - counts_all
-        keep = (torch.arange(N * k, device=x.device) - starts[sorted_e]) < cap
-        order, sorted_e = order[keep], sorted_e[keep]
-        counts = torch.bincount(sorted_e, minlength=E)
-        tok = order // k
-        xs = xf[tok]
+        if self.capacity_factor is not None:
+            cap = max(1, math.ceil(self.capacity_factor * N * k / E))
+            starts = torch.cumsum(counts, 0) - counts
+            keep = (torch.arange(N * k, device=x.device) - starts[sorted_e]) < cap
+            gates = gates * torch.zeros_like(gates).index_put_((order,), keep.to(gates.dtype))
+        xs = xf[order // k]
 
         if self.ep_group is None:
-            ys = self.experts(xs, counts.tolist())
+            ys = self.experts(xs, counts, sorted_e)
         else:
             ys = self._ep_forward(xs, counts)
 
-        out = torch.zeros_like(xf)
-        out.index_add_(0, tok, ys * gates.reshape(-1)[order].unsqueeze(-1))
-        return out.view(B, T, d)
+        inv = torch.empty_like(order).index_put_((order,), torch.arange(N * k, device=x.device))
+        y = (ys[inv].view(N, k, d) * gates.view(N, k, 1).to(ys.dtype)).sum(1)
+        return y.view(B, T, d)
 
     def _ep_forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -231,7 +264,7 @@ class MoE(nn.Module):
         seg_expert = torch.arange(el, device=xs.device).repeat(ep)
         tok_expert = torch.repeat_interleave(seg_expert, recv_2d.reshape(-1))
         perm = torch.argsort(tok_expert, stable=True)
-        ys = self.experts(xr[perm], recv_2d.sum(0).tolist())
+        ys = self.experts(xr[perm], recv_2d.sum(0))
         back = torch.empty_like(ys)
         back[perm] = ys
         return all_to_all_single_autograd(back, send_splits, recv_splits, self.ep_group)

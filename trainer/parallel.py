@@ -250,13 +250,14 @@ def finish_expert_grads(model: nn.Module, dims: ParallelDims, meshes: Meshes) ->
     if meshes.expert is None:
         return
     rep_group = meshes.expert.get_group("dp_rep") if meshes.expert.size(0) > 1 else None
-    for p in expert_params(model):
-        if p.grad is None:
-            continue
-        g = p.grad.to_local()
-        if rep_group is not None:
-            dist.all_reduce(g, group=rep_group)
-        g.div_(dims.dp)
+    grads = [p.grad.to_local() for p in expert_params(model) if p.grad is not None]
+    if not grads:
+        return
+    if rep_group is not None:  # one all-reduce for every expert gradient (not one per parameter)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=rep_group)
+        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+    torch._foreach_div_(grads, float(dims.dp))
 
 
 @torch.no_grad()

@@ -390,6 +390,8 @@ class Run:
                 if last:
                     state_bytes = sharded_state_bytes(model, optimizer)  # grads + optimizer state present
                     state_bytes["grads_peak"] = grads_peak  # most gradient bytes held during the step
+                    if on_gpu:  # for benchmarks/gpu_check.sh: planner bytes vs the allocator's peak
+                        state_bytes["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device))
                 optimizer.zero_grad(set_to_none=True)
                 if moe_layers and any(m.balance == "bias" for m in moe_layers):
                     counts = torch.stack([m.tokens_per_expert for m in moe_layers])

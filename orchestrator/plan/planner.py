@@ -279,8 +279,10 @@ def block_activation_bytes(ms: ModelSpec, layer: int, seq: int, micro_batch: int
     wide = 4 if ms.mlp == "swiglu" else 2  # swiglu: w1 out, silu out, w3 out, product; gelu: in, out
     if ms.is_moe_layer(layer):
         assert ms.moe is not None
-        E, k, cap = ms.moe.n_experts, ms.moe.top_k, ms.moe.capacity_factor
-        routed = int(math.ceil(s * b * k * cap))  # token copies processed by the experts
+        E, k = ms.moe.n_experts, ms.moe.top_k
+        # Token copies processed by the experts: every assignment (dropless by default; with a
+        # capacity factor the trainer zeroes the overflow's gates rather than compacting).
+        routed = s * b * k
         mlp = 4 * s * b * E  # fp32 router logits / probabilities
         mlp += routed * h * elem * 2  # dispatched inputs and expert outputs before combine
         mlp += routed * ms.expert_dim * elem * wide

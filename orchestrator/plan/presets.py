@@ -20,9 +20,10 @@ class MoESpec(BaseModel):
     """Routed experts per MoE layer."""
     top_k: int = Field(2, gt=0)
     """Experts each token is routed to."""
-    capacity_factor: float = Field(1.25, gt=0)
-    """Tokens an expert accepts, as a multiple of its fair share; overflow tokens are dropped
-    (they pass through the residual)."""
+    capacity_factor: float | None = Field(None, gt=0)
+    """None (default): dropless — every routed token is processed (torchtitan, Megatron). A
+    number: tokens an expert accepts, as a multiple of its fair share; overflow assignments are
+    dropped (their gate is zeroed: the token keeps the residual for that slot)."""
     balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
     """Load balancing: an auxiliary loss (Switch/GShard) or a DeepSeek-V3 style router-bias update."""
     aux_loss_coef: float = Field(0.01, ge=0)

@@ -21,9 +21,9 @@ LAUNCH = REPO / "infra" / "torchrun_launch.py"
 # A dense model that exercises every TP path: untied head/embedding, QK-norm, SwiGLU, RMSNorm, GQA.
 DENSE = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
          "max_seq_len": 128, "qk_norm": True, "tie_embeddings": False, "mlp": "swiglu", "norm": "rmsnorm"}
-# tiny-moe without capacity drops or per-rank aux loss: EP and world 1 compute the same function.
+# tiny-moe, dropless (the default) and without per-rank aux loss: EP and world 1 compute the same function.
 MOE = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 128,
-       "moe": {"n_experts": 4, "top_k": 2, "capacity_factor": 4.0, "balance": "bias"}}
+       "moe": {"n_experts": 4, "top_k": 2, "balance": "bias"}}
 
 
 class Trainer:
