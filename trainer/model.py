@@ -38,14 +38,29 @@ def _norm(spec: ModelSpec, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, bias=spec.bias)
 
 
+_ROPE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _rope_table(T: int, half: int, base: float, device: torch.device, dtype: torch.dtype):
+    """(cos, sin) of shape (1, T, 1, half): built once per shape/device/dtype and reused by every
+    layer and step (under torch.compile it is traced, and the compiler hoists it)."""
+    key = (T, half, base, device, dtype)
+    hit = None if torch.compiler.is_compiling() else _ROPE_CACHE.get(key)
+    if hit is not None:
+        return hit
+    inv = 1.0 / (base ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
+    ang = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv)  # (T, half)
+    out = (ang.cos()[None, :, None, :].to(dtype), ang.sin()[None, :, None, :].to(dtype))
+    if not torch.compiler.is_compiling():
+        _ROPE_CACHE[key] = out
+    return out
+
+
 def _rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotary positions on ``x`` of shape (B, T, H, D) (pairs (i, i + D/2), as in GPT-NeoX/Llama)."""
     T, D = x.shape[1], x.shape[-1]
     half = D // 2
-    inv = 1.0 / (base ** (torch.arange(0, half, device=x.device, dtype=torch.float32) / half))
-    ang = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv)  # (T, half)
-    cos = ang.cos()[None, :, None, :].to(x.dtype)
-    sin = ang.sin()[None, :, None, :].to(x.dtype)
+    cos, sin = _rope_table(T, half, base, x.device, x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -74,11 +89,8 @@ class Attention(nn.Module):
         if self.rope:
             q, k = _rope(q), _rope(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:  # grouped-query attention: repeat kv heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped-query attention: SDPA shares each kv head across its query heads (no copies).
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -305,9 +317,14 @@ class GPT(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int, params: bool = True) -> None:
         """GPT-2 style init (normal 0.02, residual projections scaled by 1/sqrt(2 n_layers)),
-        from a seeded generator so every rank and every world size starts identically."""
+        from a seeded generator so every rank and every world size starts identically.
+        ``params=False``: zero the buffers only (a checkpoint load fills the parameters)."""
+        if not params:
+            for name, b in self.named_buffers():
+                _copy_full(b, torch.zeros(b.shape))
+            return
         g = torch.Generator(device="cpu").manual_seed(seed)
         resid_std = 0.02 / math.sqrt(2 * self.spec.n_layers)
 

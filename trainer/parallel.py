@@ -219,12 +219,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, *, device:
         # Expert-parallel experts live on the expert mesh (gradients: finish_expert_grads); with
         # ep = 1 they are ordinary parameters, sharded and reduced by FSDP like the rest.
         ignored = set(expert_params(model)) if meshes.expert is not None else set()
-        for block in model.layers.values():
+        blocks = list(model.layers.values())
+        for i, block in enumerate(blocks):
             own = {p for p in block.parameters() if p in ignored}
-            fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+            # The last block's parameters are needed again right at the start of backward: keep
+            # them (torchtitan). The root keeps FSDP2's own heuristic (reshard_after_forward
+            # unset: not resharded, the embedding/head are needed at once for backward).
+            fully_shard(block, mesh=meshes.fsdp, mp_policy=mp,
+                        reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
                         ignored_params=own or None)
-        fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=reshard_after_forward,
-                    ignored_params=ignored or None)
+        fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None)
     return model
 
 

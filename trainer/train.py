@@ -293,7 +293,6 @@ class Run:
         model.to_empty(device=device)
         if ms.tie_embeddings and model.head.weight is not model.tok_emb.weight:
             model.head.weight = model.tok_emb.weight
-        model.init_weights(t.seed)
         model.train()
         params = list(model.parameters())
         optimizer = build_optimizer(model, t, device)
@@ -316,6 +315,9 @@ class Run:
                                  pinned=on_gpu)
         if scaler.enabled:
             ckpt.register("loss_scaler", scaler)
+        # Resuming: the checkpoint overwrites every parameter, so skip generating the full-size
+        # initial tensors on every rank (minutes for 8B/70B); buffers are still zeroed.
+        model.init_weights(t.seed, params=not ckpt.committed_steps())
         total = t.total_steps
         metrics = self.metrics
 

@@ -100,3 +100,33 @@ def test_no_graph_break_in_a_block(moe):
     torch._dynamo.reset()
     ex = torch._dynamo.explain(block)(torch.randn(2, 16, 32, dtype=torch.bfloat16))
     assert ex.graph_break_count == 0, ex.break_reasons
+
+
+def test_attention_uses_sdpa_gqa_and_a_cached_rope_table(monkeypatch):
+    """Grouped-query attention without copying kv heads (SDPA ``enable_gqa``), same result as the
+    repeat; the rotary table is built once per shape, not per layer and step."""
+    spec = ModelSpec.model_validate({"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4,
+                                     "n_kv_heads": 2, "max_seq_len": 64})
+    torch.manual_seed(0)
+    attn = tm.Attention(spec)
+    x = torch.randn(2, 16, 32)
+    tm._ROPE_CACHE.clear()
+    y = attn(x)
+
+    def no_repeat(*a, **k):
+        raise AssertionError("kv heads copied")
+
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", no_repeat)
+    torch.testing.assert_close(attn(x), y)
+    assert len(tm._ROPE_CACHE) == 1
+    table = next(iter(tm._ROPE_CACHE.values()))
+    attn(x)
+    assert next(iter(tm._ROPE_CACHE.values())) is table
+    monkeypatch.undo()
+    # Reference: explicit repeat of kv heads.
+    B, T, _ = x.shape
+    q = tm._rope(attn.wq(x).view(B, T, -1, 8)).transpose(1, 2)
+    k = tm._rope(attn.wk(x).view(B, T, -1, 8)).transpose(1, 2).repeat_interleave(2, 1)
+    v = attn.wv(x).view(B, T, -1, 8).transpose(1, 2).repeat_interleave(2, 1)
+    ref = attn.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1))
+    torch.testing.assert_close(y, ref)
