@@ -217,6 +217,7 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(m.n_experts), persistent=False)
         self.ep_group: Any = None
         self.ep_size = 1
+        self.tp_group: Any = None  # set under TP: this layer runs on the rank's sequence shard
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -380,9 +381,41 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int |
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(total loss, cross-entropy) in fp32. ``z_loss`` adds coef · mean(logsumexp(logits)²) (PaLM)."""
-    logits = logits.float().view(-1, logits.shape[-1])
+    """(total loss, cross-entropy) in fp32. ``z_loss`` adds coef · mean(logsumexp(logits)²) (PaLM).
+
+    Vocab-sharded logits (a DTensor from the TP head) need the caller to run this and the
+    backward under :func:`loss_context` (``loss_parallel``)."""
+    logits = logits.float().flatten(0, 1)
     ce = F.cross_entropy(logits, targets.reshape(-1))
     if z_loss > 0:
         return ce + z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean(), ce
     return ce, ce
+
+
+def loss_context(model: nn.Module):
+    """``loss_parallel()`` when the model's head is vocab-sharded over TP (an untied head under
+    tensor parallelism), else a no-op. Wrap the forward's loss *and* the backward in it."""
+    import contextlib
+
+    if getattr(model, "loss_parallel", False):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def add_aux(loss: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+    """``loss + aux``; under loss parallel the loss is a (replicated) DTensor and the MoE
+    auxiliary loss a local tensor of this rank's tokens."""
+    if aux is None:
+        return loss
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(loss, DTensor) and not isinstance(aux, DTensor):
+        aux = DTensor.from_local(aux, loss.device_mesh, loss.placements)
+    return loss + aux
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for logging (a replicated DTensor's local copy)."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -129,35 +129,77 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
-    from torch.distributed.tensor import Replicate
+    """Tensor + sequence parallelism as torchtitan does it.
+
+    The residual stream between blocks is sharded on the sequence (``Shard(1)``, local tensors):
+    norms run as ``SequenceParallel`` on their sequence shard; attention and the MLP all-gather
+    their input (``PrepareModuleInput``), run column-wise wq/wk/wv/w1/w3 and row-wise wo/w2, and
+    reduce-scatter back to the sequence shard. QK-norm runs per head shard (its weight's gradient
+    sums over heads).
+
+    * Untied head: column-wise with a vocab-sharded output kept as a DTensor — the loss runs under
+      ``loss_parallel`` (no full-vocab all-gather; each rank computes its vocab shard's part of the
+      cross-entropy). The untied embedding is row-wise; it reduce-scatters into the sequence shard
+      (rotary) or all-reduces and the first block takes its own slice (learned positions, which
+      are added to the whole sequence first).
+    * Tied embeddings (documented choice): one Parameter cannot be both the row-wise embedding and
+      the column-wise head, so it stays replicated over TP (sharded by FSDP over dp). The
+      embedding output is sliced into the sequence shard (no communication); the final norm's
+      output is all-gathered and every TP rank computes the head and the loss on the whole
+      sequence (the same values, so the tied weight's gradient needs no TP reduction). The cost:
+      the head's matmul is repeated TP times; untie the head for large-vocab TP runs.
+    * MoE blocks: the router and experts are replicated over TP and run on the rank's own
+      sequence shard (tokens are independent in a MoE layer: no communication, no repeated work);
+      their gradients are summed over TP after backward (:func:`finish_expert_grads`).
+    """
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module)
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)
 
     from trainer.model import MLP
 
     for block in model.layers.values():
         plan: dict[str, Any] = {
+            "norm1": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "norm2": SequenceParallel(),
         }
         if isinstance(block.ffn, MLP):
+            plan["ffn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
             plan["ffn.w1"] = ColwiseParallel()
-            plan["ffn.w2"] = RowwiseParallel()
+            plan["ffn.w2"] = RowwiseParallel(output_layouts=Shard(1))
             if block.ffn.w3 is not None:
                 plan["ffn.w3"] = ColwiseParallel()
+        else:  # MoE: on the local sequence shard, weights replicated over TP
+            plan["ffn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                             use_local_output=True)
+            block.ffn.tp_group = tp_mesh.get_group()
         if block.attn.q_norm is not None:
             # Each rank normalises its own heads: a DTensor sharded on the head dim (2) makes the
             # replicated norm weight's gradient a sum over every head.
             plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
-    if not model.spec.tie_embeddings:
-        parallelize_module(model, tp_mesh, {
-            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "head": ColwiseParallel(output_layouts=Replicate()),
-        })
-    # Tied embeddings stay replicated over tp (sharded by FSDP over dp): one Parameter cannot be
-    # both the row-wise embedding and the column-wise head under parallelize_module.
+    first = next(iter(model.layers.values()))
+    top: dict[str, Any] = {"norm": SequenceParallel()}
+    untied = not model.spec.tie_embeddings
+    if untied and model.pos_emb is None:
+        top["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    else:
+        if untied:
+            top["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        # The whole sequence (positions added) → this rank's slice: a local split, no comms.
+        parallelize_module(first, tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+    if untied:
+        top["head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        model.loss_parallel = True  # trainer.model.loss_context
+    else:
+        top["head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                         use_local_output=True)
+    parallelize_module(model, tp_mesh, top)
 
 
 def apply_ep(model: nn.Module, expert_mesh: Any) -> None:
@@ -248,9 +290,24 @@ def amp_context(device: torch.device, param_dtype: torch.dtype | None, meshes: M
 
 @torch.no_grad()
 def finish_expert_grads(model: nn.Module, dims: ParallelDims, meshes: Meshes) -> None:
-    """Expert-parallel gradients: tokens from every rank of the ep group reach the owner, so its
-    gradient is a *sum* of per-rank losses; sum over expert replicas and divide by dp to match the
-    FSDP-averaged gradient of the mean loss."""
+    """Gradients FSDP does not finish.
+
+    * Tensor parallel (sequence-parallel MoE): each TP rank ran the router and experts on its own
+      sequence shard, so their gradients are partial: one all-reduce (sum) over the TP group.
+    * Expert parallel: tokens from every rank of the ep group reach the owner, so its gradient is
+      a *sum* of per-rank losses; sum over expert replicas and divide by dp to match the
+      FSDP-averaged gradient of the mean loss."""
+    if meshes.tp is not None:
+        from torch.distributed.tensor import DTensor
+
+        from trainer.model import MoE
+
+        gs = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+              for m in model.modules() if isinstance(m, MoE) for p in m.parameters() if p.grad is not None]
+        if gs:
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            dist.all_reduce(flat, group=meshes.tp.get_group())
+            torch._foreach_copy_(gs, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in gs]), gs)])
     if meshes.expert is None:
         return
     rep_group = meshes.expert.get_group("dp_rep") if meshes.expert.size(0) > 1 else None

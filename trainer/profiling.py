@@ -130,7 +130,7 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
     from trainer.checkpoint import CheckpointManager
     from trainer.data import DataLoader, build_source
     from trainer.metrics import peak_flops
-    from trainer.model import build_model, loss_fn
+    from trainer.model import add_aux, build_model, local_value, loss_context, loss_fn
     from trainer.optim import build_optimizer, lr_at
     from trainer.parallel import (ParallelDims, amp_context, build_meshes, clip_grad_norm_, finish_expert_grads,
                                   parallelize)
@@ -193,17 +193,13 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
                 if batch is None:
                     break
                 x, y = batch
-                if meshes.fsdp is not None and accum > 1:  # as train.py: reduce-scatter on the last micro-batch only
-                    model.set_requires_gradient_sync(m_i == accum - 1)
-                m_i += 1
-                with record_function("dtrun/forward_backward"):
+                m_i += 1  # as train.py: every micro-batch reduce-scatters its gradients
+                with record_function("dtrun/forward_backward"), loss_context(model):
                     with amp_context(device, param_dtype, meshes):
                         loss, ce = loss_fn(model(x), y, t.z_loss)
-                        aux = model.aux_loss()
-                    if aux is not None:
-                        loss = loss + aux
+                        loss = add_aux(loss, model.aux_loss())
                     (loss / accum).backward()
-                    loss_val += ce.detach() / accum
+                    loss_val += local_value(ce.detach()) / accum
             with record_function("dtrun/optimizer"):
                 finish_expert_grads(model, dims, meshes)
                 clip_grad_norm_(params, t.grad_clip)

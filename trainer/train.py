@@ -175,6 +175,9 @@ class Run:
         if t.batch_size % (dims.dp * mb):
             raise ConfigError(f"trainer.batch_size ({t.batch_size}) must be a multiple of micro_batch_size "
                               f"({mb}) × data-parallel degree ({dims.dp})")
+        if dims.tp > 1 and t.seq_len % dims.tp:
+            raise ConfigError(f"trainer.seq_len ({t.seq_len}) must be divisible by tp ({dims.tp}): tensor "
+                              "parallelism shards the sequence between blocks (sequence parallel)")
         if t.fp8:
             import importlib.util
 
@@ -267,7 +270,7 @@ class Run:
 
         from trainer.checkpoint import CheckpointManager, emergency_plan, param_digest
         from trainer.data import DataLoader, build_source
-        from trainer.model import build_model, loss_fn
+        from trainer.model import add_aux, build_model, local_value, loss_context, loss_fn
         from trainer.optim import build_optimizer, lr_at
         from trainer.parallel import (DynamicLossScaler, amp_context, build_meshes, clip_grad_norm_,
                                       finish_expert_grads, held_grad_bytes, parallelize, sharded_state_bytes)
@@ -373,13 +376,12 @@ class Run:
                 # torchtitan): a rank holds sharded gradients between micro-batches, never the
                 # full-size accumulation that set_requires_gradient_sync(False) would keep.
                 for x, y in loader.batches(step):
-                    with amp_context(device, param_dtype, meshes):
-                        loss, ce = loss_fn(model(x), y, t.z_loss)
-                        aux = model.aux_loss()
-                    if aux is not None:
-                        loss = loss + aux
-                    scaler.scale_loss(loss / accum).backward()
-                    loss_acc += ce.detach() / accum
+                    with loss_context(model):  # loss_parallel under TP with an untied head
+                        with amp_context(device, param_dtype, meshes):
+                            loss, ce = loss_fn(model(x), y, t.z_loss)
+                            loss = add_aux(loss, model.aux_loss())
+                        scaler.scale_loss(loss / accum).backward()
+                    loss_acc += local_value(ce.detach()) / accum
                     if last:
                         grads_peak = max(grads_peak, held_grad_bytes(model))
                 finish_expert_grads(model, dims, meshes)

@@ -48,7 +48,7 @@ headline uses the padded size (FSDP2's storage is padded to equal chunks);
 
 Activations per block follow V. Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (2022), eq. 2–3: ``s·b·h·(34 + 5·a·s/h)`` bytes in 16-bit, and with tensor
-parallel (no sequence parallel) ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``. We keep its term structure
+parallel with sequence parallelism (what the trainer runs, eq. 4) ``s·b·h·(34 + 5·a·s/h)/t``. We keep its term structure
 and adapt the terms to this model: no dropout (no masks), grouped-query K/V, SwiGLU (four ff-wide
 tensors instead of GeLU's two), QK-norm inputs, and a fused attention kernel (SDPA/flash:
 the ``5·a·s/h`` score terms become an fp32 log-sum-exp per head). Activation checkpointing keeps
@@ -262,9 +262,10 @@ def block_activation_bytes(ms: ModelSpec, layer: int, seq: int, micro_batch: int
     s, b, h, a = seq, micro_batch, ms.d_model, ms.n_heads
     sbh = s * b * h
     kv = s * b * ms.kv_heads * ms.head_dim
-    # Replicated over TP ranks (Korthikanti's "10" less the two dropout masks):
-    # both norm inputs, the attention input and the MLP input.
-    replicated = 4 * sbh * elem
+    # Korthikanti's "10" less the two dropout masks: both norm inputs, the attention input and the
+    # MLP input. The trainer runs TP with sequence parallelism (eq. 4): these are sharded on the
+    # sequence too.
+    replicated = 4 * sbh * elem // tp
     # Split over TP ranks (Korthikanti's "24/t"): what SDPA saves — Q, K and V (grouped-query K/V
     # are repeated to every head before SDPA, so sbh each), its output — and the output
     # projection's input (a reshaped copy of the output), then the feed-forward's wide tensors.
@@ -304,12 +305,14 @@ def activation_bytes(ms: ModelSpec, seq: int, micro_batch: int, elem: int, tp: i
         ckpt = set(range(L))
     else:  # selective: every other block (the trainer's definition)
         ckpt = {i for i in range(L) if i % 2 == 0}
-    total = sum(layer_input if i in ckpt else per[i] for i in range(L))
+    total = sum(layer_input // tp if i in ckpt else per[i] for i in range(L))  # sequence-parallel inputs
     if ckpt:
         total += max(per[i] for i in ckpt)  # one block recomputed in backward
-    # Final norm input + head input, then logits (compute dtype), their fp32 upcast and gradient.
-    total += 2 * s * b * h * elem
-    total += s * b * ms.vocab_size * (elem + 4 + 4) // tp
+    # Final norm input (sequence shard) + head input (gathered), then logits (compute dtype), their
+    # fp32 upcast and gradient: vocab-sharded under TP (loss parallel) when the head is untied; a
+    # tied head runs on the whole sequence on every TP rank (trainer/parallel.py apply_tp).
+    total += s * b * h * elem // tp + s * b * h * elem
+    total += s * b * ms.vocab_size * (elem + 4 + 4) // (1 if ms.tie_embeddings else tp)
     return total
 
 

@@ -112,3 +112,79 @@ def test_replicate_ddp_rung_world2_matches_world1(trainer, tmp_path, refs):
     _check_matches(refs["moe"], losses(uri))
     n = ModelSpec(**MOE).num_params()
     assert all(r["params"] == 4 * n for r in runuri.read_json(runuri.join(uri, "DONE"))["state_bytes_per_rank"])
+
+
+def test_tp2_moe_matches_world1(trainer, tmp_path, refs):
+    """MoE blocks under TP: router and experts run on each rank's sequence shard; their gradients
+    are summed over TP."""
+    uri = f"file://{tmp_path}/tpmoe"
+    job = trainer.job("tpmoe", nproc=2, run_uri=uri, model=MOE, steps=STEPS, optimizer="muon",
+                      parallel={"dp_shard": 1, "tp": 2})
+    rc, log = trainer.run(job, 2)
+    assert rc == 0, log[-3000:]
+    _check_matches(refs["moe"], losses(uri))
+
+
+def test_tp2_tied_learned_positions_matches_world1(trainer, tmp_path):
+    """The documented choice for tied embeddings: replicated over TP, the head on the whole
+    sequence; learned positions added before the sequence is split."""
+    tied = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64, "pos": "learned",
+            "bias": True, "tie_embeddings": True}
+    got = {}
+    for name, nproc, par in [("tied1", 1, {"dp_shard": 1}), ("tied-dp2tp2", 4, {"dp_shard": 2, "tp": 2})]:
+        uri = f"file://{tmp_path}/{name}"
+        rc, log = trainer.run(trainer.job(name, nproc=nproc, run_uri=uri, model=tied, steps=STEPS, parallel=par), nproc)
+        assert rc == 0, log[-3000:]
+        got[name] = losses(uri)
+    _check_matches(got["tied1"], got["tied-dp2tp2"])
+
+
+_TP_LAYOUT_SCRIPT = '''
+import sys, torch, torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from orchestrator.plan.presets import ModelSpec
+from trainer.model import build_model, loss_context, loss_fn
+from trainer.parallel import ParallelDims, build_meshes, parallelize
+dist.init_process_group("gloo")
+spec = ModelSpec.model_validate({"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                                 "max_seq_len": 64, "tie_embeddings": False, "mlp": "swiglu", "norm": "rmsnorm"})
+dims = ParallelDims(1, 2, 1, 2)
+meshes = build_meshes(dims, "cpu")
+model = build_model(spec, device="meta")
+parallelize(model, dims, meshes, device=torch.device("cpu"))
+model.to_empty(device="cpu")
+model.init_weights(0)
+shapes = []
+model.layers["0"].register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape)))
+x = torch.randint(0, 256, (2, 32))
+with loss_context(model):
+    logits = model(x)
+    loss, _ = loss_fn(logits, x)
+    loss.backward()
+if dist.get_rank() == 0:
+    print("LOGITS", type(logits).__name__, logits.placements if isinstance(logits, DTensor) else None,
+          tuple(logits.to_local().shape) if isinstance(logits, DTensor) else tuple(logits.shape), flush=True)
+    print("BLOCK_OUT", shapes[0], flush=True)
+    print("NORM", type(model.layers["0"].norm1.weight).__name__, flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_tp_is_sequence_parallel_with_a_vocab_sharded_loss(tmp_path):
+    """The residual stream between blocks holds this rank's half of the sequence; the head's
+    logits stay vocab-sharded (loss parallel: no full-vocab all-gather)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "layout.py"
+    script.write_text(_TP_LAYOUT_SCRIPT)
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(script)], cwd=repo, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "LOGITS DTensor (Shard(dim=2),) (2, 32, 128)" in out.stdout, out.stdout
+    assert "BLOCK_OUT (2, 16, 64)" in out.stdout, out.stdout
+    assert "NORM DTensor" in out.stdout, out.stdout
