@@ -8,11 +8,12 @@
   (so one state dict for DCP).
 
   **Sharding (FSDP2/TP):** the orthogonalisation needs the whole matrix. Each rank gathers the
-  full momentum-corrected update with ``DTensor.full_tensor()``, runs Newton–Schulz on it (the
-  same result on every rank) and keeps only its own shard (``Replicate → original placements``, a
-  local slice, no communication). Expert weights sharded on the expert dim (EP) are orthogonalised
-  locally, expert by expert (no gather needed). Every rank repeats the NS compute for every matrix
-  — simple and exact; a distributed variant would split that work.
+  full momentum-corrected update with ``DTensor.full_tensor()``, gets it orthogonalised (below)
+  and keeps only its own shard (``Replicate → original placements``, a
+  local slice, no communication). The NS work is split across ranks: the i-th sharded matrix of a
+  step is orthogonalised by rank ``i mod n`` of its mesh only and broadcast (modded-nanogpt's
+  scheme; here NS stays in fp32). Expert weights sharded on the expert dim (EP) are
+  orthogonalised locally, expert by expert (no gather needed).
 
   The update is scaled by ``0.2 · sqrt(max(rows, cols))`` (Moonshot's "Muon is scalable"), so
   its RMS matches AdamW's and one ``lr`` serves both groups.
@@ -116,8 +117,23 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, polish: int = 3, eps: float =
     return x
 
 
-def _orthogonal_update(u: torch.Tensor) -> torch.Tensor:
-    """NS on a (possibly sharded) update; returns it with the same placements."""
+def _mesh_group(mesh: Any) -> Any:
+    """A process group over every rank of ``mesh`` (None: none available)."""
+    import torch.distributed as dist
+
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if dist.is_initialized() and mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return None
+
+
+def _orthogonal_update(u: torch.Tensor, index: int = 0) -> torch.Tensor:
+    """NS on a (possibly sharded) update; returns it with the same placements.
+
+    A matrix sharded over several ranks is orthogonalised by one of them only — the ``index``-th
+    matrix by rank ``index mod n`` of its mesh — and broadcast: the Newton–Schulz work of a step is
+    split across ranks (as modded-nanogpt does) instead of repeated on each."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(u, DTensor):
@@ -129,9 +145,19 @@ def _orthogonal_update(u: torch.Tensor) -> torch.Tensor:
                                run_check=False, shape=u.shape, stride=u.stride())
         return o * _scale(u)
     else:
-        full = newton_schulz(u.full_tensor())
-        rep = DTensor.from_local(full.to(u.dtype), u.device_mesh, [Replicate()] * u.device_mesh.ndim,
-                                 run_check=False)
+        import torch.distributed as dist
+
+        mesh = u.device_mesh
+        full = u.full_tensor()
+        group = _mesh_group(mesh)
+        if group is not None and mesh.size() > 1:
+            ranks = mesh.mesh.flatten().tolist()
+            owner = ranks[index % len(ranks)]
+            out = newton_schulz(full).to(u.dtype) if dist.get_rank() == owner else torch.empty_like(full)
+            dist.broadcast(out, src=owner, group=group)
+        else:
+            out = newton_schulz(full).to(u.dtype)
+        rep = DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
         o = rep.redistribute(u.device_mesh, u.placements)
         return o * _scale(u)
     return o.to(u.dtype) * _scale(u)
@@ -154,6 +180,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
+        n_mat = 0  # muon matrices so far this step: assigns each to an owner rank
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
@@ -167,7 +194,8 @@ class Muon(torch.optim.Optimizer):
                     buf = st["momentum_buffer"]
                     buf.mul_(group["momentum"]).add_(g)
                     u = g.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
-                    upd = _orthogonal_update(u)
+                    upd = _orthogonal_update(u, n_mat)
+                    n_mat += 1
                     if wd:
                         p.mul_(1 - lr * wd)
                     p.add_(upd, alpha=-lr)

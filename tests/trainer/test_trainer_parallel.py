@@ -188,3 +188,53 @@ def test_tp_is_sequence_parallel_with_a_vocab_sharded_loss(tmp_path):
     assert "LOGITS DTensor (Shard(dim=2),) (2, 32, 128)" in out.stdout, out.stdout
     assert "BLOCK_OUT (2, 16, 64)" in out.stdout, out.stdout
     assert "NORM DTensor" in out.stdout, out.stdout
+
+
+_MUON_SPLIT_SCRIPT = '''
+import torch, torch.distributed as dist
+from orchestrator.plan.presets import ModelSpec
+from trainer import optim
+from trainer.model import build_model, loss_fn
+from trainer.parallel import ParallelDims, build_meshes, parallelize
+dist.init_process_group("gloo")
+calls = [0]
+real = optim.newton_schulz
+def counting(g, *a, **k):
+    calls[0] += 1
+    return real(g, *a, **k)
+optim.newton_schulz = counting
+spec = ModelSpec.model_validate({"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64})
+dims = ParallelDims(2, 1, 1, 2)
+meshes = build_meshes(dims, "cpu")
+model = build_model(spec, device="meta")
+parallelize(model, dims, meshes, device=torch.device("cpu"))
+model.to_empty(device="cpu")
+model.init_weights(0)
+mats, _, _ = optim.param_groups(model)
+opt = optim.Muon([{"params": mats, "kind": "muon"}], lr=0.01)
+x = torch.randint(0, 256, (2, 16))
+loss_fn(model(x), x)[0].backward()
+opt.step()
+print(f"RANK{dist.get_rank()} NS={calls[0]} MATS={len(mats)}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_muon_splits_newton_schulz_across_ranks(tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "muon.py"
+    script.write_text(_MUON_SPLIT_SCRIPT)
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(script)], cwd=repo, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    got = {int(r): (int(n), int(m)) for r, n, m in re.findall(r"RANK(\d) NS=(\d+) MATS=(\d+)", out.stdout)}
+    assert set(got) == {0, 1}
+    mats = got[0][1]
+    assert got[0][0] + got[1][0] == mats and abs(got[0][0] - got[1][0]) <= 1  # each matrix once, split evenly
