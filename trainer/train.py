@@ -411,20 +411,19 @@ class Run:
                     time.sleep(step_sleep)
                 tokens += t.tokens_per_step
 
-                # One all-reduce: SIGTERM anywhere, STOP (rank 0), auto-checkpoint due (rank 0), loss.
+                # One all-reduce and the step's one host sync: SIGTERM anywhere, STOP (rank 0),
+                # auto-checkpoint due (rank 0), loss, grad norm (already global: averaged back).
                 auto_due = every == "auto" and time.monotonic() - last_auto >= AUTO_CHECKPOINT_SECONDS
-                vec = torch.stack([
-                    torch.tensor(float(flags.sigterm), device=device),
-                    torch.tensor(float(flags.stop and self.rank == 0), device=device),
-                    torch.tensor(float(auto_due and self.rank == 0), device=device),
-                    loss_acc.float(),
-                ])
+                host = torch.tensor([float(flags.sigterm), float(flags.stop and self.rank == 0),
+                                     float(auto_due and self.rank == 0)])
+                vec = torch.cat([host.to(device, non_blocking=True), loss_acc.float().view(1),
+                                 gnorm.float().view(1).to(device)])
                 if dist.is_initialized():
                     dist.all_reduce(vec)
-                    vec[3] /= self.world
-                term, stop, auto_now, last_loss = (v for v in vec.tolist())
+                    vec[3:] /= self.world
+                term, stop, auto_now, last_loss, gnorm_v = vec.tolist()
                 ckpt.poll()
-                metrics.step(step, last_loss, float(gnorm), lr, ckpt.last_committed)
+                metrics.step(step, last_loss, gnorm_v, lr, ckpt.last_committed)
 
                 if term > 0:
                     metrics.set_phase("stopping")
