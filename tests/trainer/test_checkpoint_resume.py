@@ -91,3 +91,34 @@ def test_corrupt_checkpoint_is_quarantined_not_deleted_and_survives_restarts(s3_
     m3, o3, l3 = _parts(2)
     assert _mgr(uri).load_latest(m3, o3, l3)["step"] == 10
     assert np.allclose(m3.tok_emb.weight.detach().numpy(), m2.tok_emb.weight.detach().numpy())
+
+
+@pytest.mark.slow
+def test_trainer_restart_under_503_exits_retryable_then_resumes_the_newest(trainer, s3_bucket, s3_server):
+    """The issue's repro through the real trainer: keep 2, checkpoints every 5; at the restart S3
+    answers 503 for step-10's files. The attempt ends with exit 1 (retryable) and step-10 intact;
+    the next attempt, once the throttling is over, resumes from step 10 (not 5)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from s3proxy import S3Proxy
+
+    uri = f"{s3_bucket}/run"
+    rc, out = trainer.run(trainer.job("first", nproc=1, run_uri=uri, steps=10, every=5), 1, torchrun=False)
+    assert rc == 0, out[-3000:]
+    assert runuri.checkpoint_steps(uri) == [5, 10]
+    state = {"throttle": True}
+    fail = (lambda method, path: state["throttle"] and "/checkpoints/step-10/" in path
+            and not path.endswith("/COMMITTED") and method in ("GET", "HEAD"))
+    env = {"AWS_MAX_ATTEMPTS": "1", "DTRUN_DEBUG_LOAD_RETRY": "2,0.1"}
+    with S3Proxy(s3_server, fail=fail) as proxy:
+        job = trainer.job("again", nproc=1, run_uri=uri, steps=12, every=5)
+        rc, out = trainer.run(job, 1, torchrun=False, env={**env, "AWS_ENDPOINT_URL": proxy.url})
+        assert rc == 1, out[-3000:]
+        assert "nothing deleted" in out and proxy.failed
+        assert runuri.checkpoint_steps(uri) == [5, 10] and runuri.committed(uri, 10)
+        state["throttle"] = False
+        rc, out = trainer.run(job, 1, torchrun=False, env={**env, "AWS_ENDPOINT_URL": proxy.url})
+    assert rc == 0, out[-3000:]
+    assert "resumed from checkpoint step 10" in out
