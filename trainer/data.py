@@ -16,8 +16,8 @@ data-parallel rank and restorable at another dp degree.
 
 Input pipeline (what keeps a GPU fed from S3): a micro-batch of one rank is ``mb`` consecutive
 samples, i.e. one contiguous token range; ranges are served from aligned blocks of
-``READ_BLOCK_BYTES`` fetched with one ranged GET each (``fs.cat_file``: no s3fs read-ahead) and
-kept in a small LRU, so a step costs a few large requests, not one per sample. Local files are
+``READ_BLOCK_BYTES`` fetched with one ranged GET each (``fs.cat_file``: no s3fs read-ahead), the
+next block fetched in the background as soon as one is used, and kept in a small LRU, so a step costs a few large requests, not one per sample. Local files are
 memory-mapped. A background thread (:class:`DataLoader`) assembles the micro-batches of the next
 ``PREFETCH_STEPS`` steps while the current one trains, pinning host memory on CUDA; the main
 thread copies them with ``non_blocking=True``. The state in the checkpoint is still one counter.
@@ -26,6 +26,7 @@ thread copies them with ``non_blocking=True``. The state in the checkpoint is st
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 import queue
 import threading
@@ -43,6 +44,9 @@ CACHE_BLOCKS = 8
 """Blocks kept per shard source (LRU): every rank of a data-parallel group reads the same blocks."""
 PREFETCH_STEPS = 2
 """Optimizer steps of micro-batches the background thread prepares ahead of the loop."""
+
+
+_READ_AHEAD = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="dtrun-readahead")
 
 
 class SyntheticSource:
@@ -69,24 +73,41 @@ class _Shard:
         self._mm = (np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.n,))
                     if local and self.n > 0 else None)
         self._blocks: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._inflight: dict[int, Any] = {}
         self._lock = threading.Lock()
         self.requests = 0  # ranged GETs issued (benchmarks)
+        self.n_blocks = -(-self.n * self.dtype.itemsize // READ_BLOCK_BYTES)
 
-    def _block(self, k: int) -> bytes:
-        with self._lock:
-            b = self._blocks.get(k)
-            if b is not None:
-                self._blocks.move_to_end(k)
-                return b
+    def _fetch(self, k: int) -> bytes:
         start = self.offset + k * READ_BLOCK_BYTES
         end = min(start + READ_BLOCK_BYTES, self.offset + self.n * self.dtype.itemsize)
         b = self.fs.cat_file(self.path, start=start, end=end)
         with self._lock:
             self.requests += 1
             self._blocks[k] = b
+            self._inflight.pop(k, None)
             while len(self._blocks) > CACHE_BLOCKS:
                 self._blocks.popitem(last=False)
         return b
+
+    def _block(self, k: int) -> bytes:
+        with self._lock:
+            b = self._blocks.get(k)
+            if b is not None:
+                self._blocks.move_to_end(k)
+            fut = self._inflight.get(k)
+            nxt = k + 1
+            # Read-ahead: the stream moves forward, so fetch the next block in the background.
+            if nxt < self.n_blocks and nxt not in self._blocks and nxt not in self._inflight:
+                self._inflight[nxt] = _READ_AHEAD.submit(self._fetch, nxt)
+        if b is not None:
+            return b
+        if fut is not None:
+            try:
+                return fut.result()
+            except Exception:  # noqa: BLE001 - the read-ahead failed: fetch again here, raising here
+                pass
+        return self._fetch(k)
 
     def read(self, start: int, count: int) -> np.ndarray:
         if self._mm is not None:
