@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
+import pytest
 import torch
 
 from orchestrator.contract import runuri
@@ -88,3 +89,40 @@ def test_emergency_save_is_bounded_by_the_notice(tmp_path):
              emergency=True)
     assert mgr.last_committed == 8 and runuri.committed(uri, 8) and not runuri.committed(uri, 7)
     mgr.close()
+
+
+@pytest.mark.slow
+def test_sigterm_with_a_slow_upload_exits_within_the_notice_and_resumes(trainer, s3_bucket, s3_server):
+    """Real trainer (world 2) on moto behind a proxy adding 0.4 s per request, a 2 s notice: at
+    SIGTERM no upload can finish and no new save fits, so the in-flight one is abandoned and the
+    run exits 75 at once; the last COMMITTED step is the resume point."""
+    import signal
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import wait_for
+    from s3proxy import S3Proxy
+
+    uri = f"{s3_bucket}/slow"
+    with S3Proxy(s3_server, latency_s=0.4) as proxy:
+        env = {"AWS_ENDPOINT_URL": proxy.url, "DTRUN_PREEMPTION_NOTICE_S": "2", "DTRUN_DEBUG_STEP_SLEEP": "0.3"}
+        job = trainer.job("slow", nproc=2, run_uri=uri, steps=40, every=2)
+        p = trainer.start(job, 2, env=env)
+
+        def ready() -> bool:
+            prog = runuri.read_json(runuri.join(uri, "progress.json")) or {}
+            return runuri.latest_committed(uri) is not None and prog.get("step", 0) >= 5
+
+        wait_for(ready, timeout=240, what="a commit and step 5")
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode in (75, 128 + signal.SIGTERM), out[-3000:]
+        assert "does not fit the notice" in out or "abandoned" in out, out[-3000:]
+        prog = runuri.read_json(runuri.join(uri, "progress.json"))
+        assert prog["status"] == "preempted" and prog["exit_code"] == 75
+        last = runuri.latest_committed(uri)[0]
+        rc, out = trainer.run(trainer.job("slow", nproc=2, run_uri=uri, steps=last + 2, every=100), 2,
+                              env={"AWS_ENDPOINT_URL": proxy.url})
+    assert rc == 0, out[-3000:]
+    assert f"resumed from checkpoint step {last}" in out
