@@ -134,8 +134,8 @@ def _moe_balance(c: _Ctx) -> Trap | None:
     if off:
         return Trap("moe-no-load-balancing",
                     "MoE without load balancing (balance: none or a zero coefficient): the router collapses "
-                    "onto a few experts and the capacity factor drops the rest of the tokens; use "
-                    "balance: aux_loss or bias")
+                    "onto a few experts (dropless: those few do all the work; with a capacity factor the rest "
+                    "of the tokens are dropped); use balance: aux_loss or bias")
     return None
 
 
