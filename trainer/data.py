@@ -122,7 +122,8 @@ class _Shard:
         return np.frombuffer(b"".join(parts), dtype=self.dtype)
 
 
-def _list_shards(fs: Any, path: str, uri: str, field: str, *, training: bool) -> list[str]:
+def _list_shards(fs: Any, path: str, uri: str, field: str, *, which: str) -> list[str]:
+    """The shard files at ``path``: ``which`` = train (validation names left out), val (only those), all."""
     try:
         if any(ch in path for ch in "*?["):
             files = fs.glob(path)
@@ -133,7 +134,9 @@ def _list_shards(fs: Any, path: str, uri: str, field: str, *, training: bool) ->
     except Exception as e:  # noqa: BLE001 - any storage error here is a config problem
         raise ConfigError(f"{field}: cannot list {uri}: {e}") from None
     files = sorted(f for f in files if not f.endswith((".json", ".tmp")))  # data prepare's manifest, partials
-    if training:
+    if which == "val":
+        return [f for f in files if shardfmt.is_validation(f)]
+    if which == "train":
         val = [f for f in files if shardfmt.is_validation(f)]
         files = [f for f in files if not shardfmt.is_validation(f)]
         if val and not files:
@@ -142,9 +145,13 @@ def _list_shards(fs: Any, path: str, uri: str, field: str, *, training: bool) ->
     return files
 
 
+class NoShards(ConfigError):
+    """No token shard where the spec points."""
+
+
 class ShardSource:
     def __init__(self, uri: str, seq_len: int, vocab_size: int, *, field: str = "trainer.data",
-                 training: bool = True):
+                 which: str = "train"):
         import fsspec
 
         from orchestrator.contract.runuri import _fs
@@ -155,9 +162,9 @@ class ShardSource:
         except Exception as e:  # noqa: BLE001 - unknown scheme, missing fsspec backend (gcsfs, …)
             raise ConfigError(f"{field}: cannot open {uri}: {type(e).__name__}: {e}") from None
         local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-        files = _list_shards(fs, path, uri, field, training=training)
+        files = _list_shards(fs, path, uri, field, which=which)
         if not files:
-            raise ConfigError(f"{field}: no .bin or .npy token shards at {uri}")
+            raise NoShards(f"{field}: no .bin or .npy token shards at {uri}")
         self.files = files
         self.shards = []
         for f in files:
@@ -308,9 +315,20 @@ def build_source(data: str, seq_len: int, vocab_size: int, seed: int) -> Any:
     return ShardSource(_uri(data), seq_len, vocab_size)
 
 
-def build_val_source(val_data: str, seq_len: int, vocab_size: int, seed: int) -> Any:
-    """The validation stream (``trainer.val_data``): every shard it names, validation or not.
-    ``synthetic`` is a held-out synthetic stream (another seed)."""
+def build_val_source(data: str, val_data: str | None, seq_len: int, vocab_size: int, seed: int) -> Any:
+    """The validation stream, or None when the job has none: ``trainer.val_data`` (every shard it
+    names; ``synthetic`` is a held-out synthetic stream, another seed), else the validation-named
+    shards beside ``trainer.data`` (``data prepare``'s ``val_*.bin``, llm.c's ``*_val_*.bin``)."""
     if val_data == "synthetic":
         return SyntheticSource(vocab_size, seq_len, seed + 1_000_003)
-    return ShardSource(_uri(val_data), seq_len, vocab_size, field="trainer.val_data", training=False)
+    if val_data is not None:
+        return ShardSource(_uri(val_data), seq_len, vocab_size, field="trainer.val_data", which="all")
+    if data == "synthetic":
+        return None
+    folder = _uri(data)
+    if any(ch in folder for ch in "*?[") or folder.endswith((".bin", ".npy")):
+        folder = folder.rsplit("/", 1)[0]
+    try:
+        return ShardSource(folder, seq_len, vocab_size, field="trainer.val_data", which="val")
+    except NoShards:
+        return None

@@ -269,7 +269,7 @@ class Run:
         import torch.distributed as dist
 
         from trainer.checkpoint import CheckpointManager, emergency_plan, param_digest
-        from trainer.data import DataLoader, build_source
+        from trainer.data import DataLoader, build_source, build_val_source
         from trainer.model import add_aux, build_model, local_value, loss_context, loss_fn
         from trainer.optim import build_optimizer, lr_at
         from trainer.parallel import (DynamicLossScaler, amp_context, build_meshes, clip_grad_norm_,
@@ -304,14 +304,14 @@ class Run:
         source = build_source(t.data, t.seq_len, ms.vocab_size, t.seed)
         loader = DataLoader(source, global_batch=t.batch_size, micro_batch=self.mb, dp_rank=dp_rank,
                             dp=dims.dp, device=device)
-        from trainer.evaluate import Evaluator, validation_files
+        from trainer.evaluate import Evaluator
 
-        vf = validation_files(t.data, t.val_data)
-        if t.eval_every and vf is None:
+        vsrc = build_val_source(t.data, t.val_data, t.seq_len, ms.vocab_size, t.seed)
+        if t.eval_every and vsrc is None:
             raise ConfigError(f"trainer.eval_every: no validation shards (val_*.bin) beside {t.data}; set "
                               f"trainer.val_data")
-        evaluator = (Evaluator(*vf, seq_len=t.seq_len, vocab_size=ms.vocab_size, eval_tokens=t.eval_tokens,
-                               micro_batch=self.mb, dp=dims.dp, dp_rank=dp_rank) if vf else None)
+        evaluator = (Evaluator(vsrc, seq_len=t.seq_len, eval_tokens=t.eval_tokens, micro_batch=self.mb,
+                               dp=dims.dp, dp_rank=dp_rank) if vsrc is not None else None)
         describe = {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate}
         ckpt = CheckpointManager(self.run_uri, keep=spec.checkpoint.keep, async_mode=spec.checkpoint.async_mode,
                                  rank=self.rank, world_size=self.world, dp_rank=dp_rank, describe=describe,

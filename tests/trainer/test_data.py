@@ -29,7 +29,9 @@ def test_folder_never_trains_on_the_validation_shard(tmp_path):
     assert [f.rsplit("/", 1)[-1] for f in src.files] == ["fineweb_train_000001.bin"]
     assert src.total == 3000
     assert np.array_equal(src.sample(0), train[:65])
-    vsrc = build_val_source(str(tmp_path / "fineweb_val_000000.bin"), seq_len=64, vocab_size=256, seed=0)
+    vsrc = build_val_source(str(tmp_path), str(tmp_path / "fineweb_val_000000.bin"), seq_len=64, vocab_size=256, seed=0)
+    # without trainer.val_data: the validation-named shards beside trainer.data
+    assert build_val_source(str(tmp_path), None, seq_len=64, vocab_size=256, seed=0).files == vsrc.files
     assert vsrc.total == 1000 and set(vsrc.sample(3).tolist()) == {199}
     # Same rule for a glob; a folder of validation shards only is an error, not a silent val run.
     assert build_source(str(tmp_path / "*.bin"), seq_len=64, vocab_size=256, seed=0).total == 3000
@@ -38,7 +40,7 @@ def test_folder_never_trains_on_the_validation_shard(tmp_path):
     with pytest.raises(ConfigError, match="only validation shards"):
         build_source(str(tmp_path / "valonly"), seq_len=64, vocab_size=256, seed=0)
     # Held-out synthetic validation differs from the training stream.
-    assert not np.array_equal(build_val_source("synthetic", 16, 256, 0).sample(0), SyntheticSource(256, 16, 0).sample(0))
+    assert not np.array_equal(build_val_source("synthetic", "synthetic", 16, 256, 0).sample(0), SyntheticSource(256, 16, 0).sample(0))
 
 
 def test_llama3_uint32_shard_is_read_as_uint32(tmp_path):
