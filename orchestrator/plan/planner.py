@@ -502,21 +502,27 @@ def evaluate_rung(spec: JobSpec, par: Parallel, strategy: str, device: Device,
     return Rung(strategy, par, memory_bytes=modelled + overhead, breakdown=breakdown)
 
 
-def plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None = None,
-         nodes: int | None = None, *, suggest: bool = True) -> MemoryPlan:
-    """Evaluate every rung for the job on ``gpu`` × ``gpus_per_node`` × ``nodes`` (defaults:
-    ``spec.resources``) and pick the lowest that fits with headroom. With explicit
-    ``trainer.parallel`` the plan still evaluates the ladder; ``.strategy`` is the planner's pick,
-    and the user's own degrees are evaluated by :func:`evaluate_spec_parallel`."""
+def _target(spec: JobSpec, gpu: str | None, gpus_per_node: int | None, nodes: int | None
+            ) -> tuple[str, int, int, int, Device, float | None]:
+    """(gpu, GPUs per node, nodes, GPUs, device kind, memory limit in bytes or None) for a plan,
+    the spec's resources filling what is not given."""
     r = spec.resources
     g = canonical_gpu(gpu) if gpu else r.gpu
     if g is None:
         raise DtrunError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
     gpn = gpus_per_node or r.gpus_per_node
     nn = nodes or r.nodes
-    n = gpn * nn
     device: Device = "cpu" if g == "cpu" else "gpu"
-    limit = None if device == "cpu" else GPUS[g].memory_gb * GB
+    return g, gpn, nn, gpn * nn, device, None if device == "cpu" else GPUS[g].memory_gb * GB
+
+
+def plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None = None,
+         nodes: int | None = None, *, suggest: bool = True) -> MemoryPlan:
+    """Evaluate every rung for the job on ``gpu`` × ``gpus_per_node`` × ``nodes`` (defaults:
+    ``spec.resources``) and pick the lowest that fits with headroom. With explicit
+    ``trainer.parallel`` the plan still evaluates the ladder; ``.strategy`` is the planner's pick,
+    and the user's own degrees are evaluated by :func:`evaluate_spec_parallel`."""
+    g, gpn, nn, n, device, limit = _target(spec, gpu, gpus_per_node, nodes)
 
     rungs: list[Rung] = []
     for name, par, note in _candidate_rungs(spec, n, gpn):
@@ -667,15 +673,7 @@ def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None =
 
     A ``micro_batch_size`` or ``activation_checkpointing`` the user wrote is kept (only what is
     left to auto is searched). ``.fits`` False: nothing fits; ``.suggestion`` says what would."""
-    r = spec.resources
-    g = canonical_gpu(gpu) if gpu else r.gpu
-    if g is None:
-        raise DtrunError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
-    gpn = gpus_per_node or r.gpus_per_node
-    nn = nodes or r.nodes
-    n = gpn * nn
-    device: Device = "cpu" if g == "cpu" else "gpu"
-    limit = None if device == "cpu" else GPUS[g].memory_gb * GB
+    g, gpn, nn, n, device, limit = _target(spec, gpu, gpus_per_node, nodes)
     pin = pinned(spec)
     t = spec.trainer
     acs = [t.activation_checkpointing] if pin["activation_checkpointing"] else list(AC_ORDER)
