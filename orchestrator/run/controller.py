@@ -212,6 +212,8 @@ class Controller:
         self.launch_wait = (launch_wait_seconds if launch_wait_seconds is not None
                             else min(self.poll, LAUNCH_WAIT_CAP_SECONDS))
         self.inflight: LaunchInFlight | None = None
+        self._abandoned: list[LaunchInFlight] = []
+        """Cancelled launches the loop stopped waiting for (their workers may still be in the SDK)."""
 
     # ---- helpers -------------------------------------------------------------------------------
     def provider(self, name: str) -> Provider:
@@ -414,8 +416,9 @@ class Controller:
 
     def _close_providers(self) -> None:
         """The loop is over: each provider releases what it started in this process (SkyPilot
-        stops the local API server dtrun started). A launch still in flight keeps it."""
-        if self.inflight is not None and not self.inflight.done.is_set():
+        stops the local API server dtrun started). A launch still in flight keeps it, and so does
+        one that was cancelled and abandoned but has not returned yet."""
+        if any(i is not None and not i.done.is_set() for i in [self.inflight, *self._abandoned]):
             return
         for p in list(self._providers.values()):
             try:
@@ -1040,6 +1043,7 @@ class Controller:
                                         region=o.region, launched_at=inf.t0))
         if now - inf.cancelled_at >= self.stop_grace:
             self.inflight = None
+            self._abandoned.append(inf)
             inf.abandon()
             self._sweep_due = True
             self.event("warning", f"attempt {inf.n}: the cancelled launch has not returned after "

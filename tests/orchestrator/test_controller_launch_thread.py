@@ -146,3 +146,55 @@ def test_a_launch_longer_than_max_recovery_minutes_is_cancelled(world):
     assert "max_recovery_minutes" in job["reason"]
     assert cloud.running_instances() == []
     assert cloud.bill()["rows"][0]["end"] <= t0 + 3 * 60 + 2 * 30  # the bound, within a tick or two
+
+
+class StuckBeforeCreateCloud(FakeProvider):
+    """A launch that creates nothing for a long (real) while — SkyPilot's optimizer and request
+    queue, Modal's image build — and records whether ``close()`` came while it still ran."""
+
+    def __init__(self, clock: VirtualClock, **kw) -> None:
+        super().__init__(clock=clock, **kw)
+        self.release = threading.Event()
+        self.running = threading.Event()
+        self.returned = threading.Event()
+        self.closed_while_launching: list[bool] = []
+
+    def launch(self, request):
+        self.running.set()
+        self.release.wait(30.0)
+        try:
+            return super().launch(request)
+        finally:
+            self.running.clear()
+            self.returned.set()
+
+    def close(self) -> None:
+        self.closed_while_launching.append(self.running.is_set())
+
+
+def test_close_waits_for_an_abandoned_launch(tmp_path):
+    """`dtrun down` while a launch has created nothing yet: after the stop grace the controller
+    abandons the launch (its worker ends whatever it returns). The provider must not be closed
+    under it (SkyPilot's close stops the API server the launch is talking to)."""
+    clock = VirtualClock()
+    cloud = StuckBeforeCreateCloud(clock, offers=[FakeOfferTemplate("fake-east", "H100", False, PRICE)],
+                                   provision_seconds=60, autodown_seconds=None, terminate_seconds=0)
+    store = StateStore(tmp_path / "state.db")
+    spec = _spec(tmp_path, budget={"max_usd": 1000.0})
+    c = Controller(spec, store, clock=clock, providers={"fake": cloud}, launch_wait_seconds=0.05,
+                   write_lease=False)
+
+    def on_tick(_c):
+        assert cloud.running.wait(10.0)
+        store.request_action("slowlaunch", "stop")
+
+    try:
+        assert c.run(on_tick=on_tick) == "CANCELLED"
+        assert True not in cloud.closed_while_launching, "provider closed under a launch still running"
+    finally:
+        cloud.release.set()
+    assert cloud.returned.wait(10.0)
+    for t in threading.enumerate():
+        if t.name.startswith("dtrun-launch-"):
+            t.join(10.0)
+    assert cloud.running_instances() == []  # the worker ended what the late launch created
