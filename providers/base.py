@@ -241,6 +241,12 @@ class Provider(ABC):
     def check_credentials(self) -> None:
         """Raise AuthError naming what to set if credentials are missing. Default: none needed."""
 
+    def cancel_launch(self, name: str) -> None:
+        """The launch of instance ``name`` running in another thread is cancelled: if it has not
+        created anything yet, it should create nothing (Modal: the create after the image build
+        is skipped). Must not block. Default: nothing (the controller finds what the launch
+        created by name through ``list_owned`` and terminates it)."""
+
     def close(self) -> None:
         """The controller using this provider is exiting: release what this process started
         for it (SkyPilot: the local API server, if dtrun started it). Default: nothing."""

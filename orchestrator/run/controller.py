@@ -1023,6 +1023,11 @@ class Controller:
             inf.cancelled_at = now
             self.event("cancel", f"attempt {inf.n}: launch in flight on {inf.offer.key()} cancelled; "
                                  f"terminating what it created ({inf.request.instance_name})")
+            try:
+                prov.cancel_launch(inf.request.instance_name)  # create nothing more (Modal: after the build)
+            except perr.ProviderError as e:
+                self.event("warning", f"attempt {inf.n}: could not cancel the launch in flight "
+                                      f"({type(e).__name__}: {e}); terminating what it creates")
         if inf.done.is_set():
             self.inflight = None
             if inf.handle is not None and inf.handle.instance_id not in inf.adopted:

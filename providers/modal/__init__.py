@@ -365,6 +365,11 @@ class ModalProvider(Provider):
                                                  provider="modal")
             time.sleep(0.5)
 
+    def cancel_launch(self, name: str) -> None:
+        """A launch of ``name`` in flight is cancelled: the create after the build is skipped
+        (a sandbox already created is listed by ``list_owned`` and terminated by the caller)."""
+        self._memo("name:" + name, terminated=True)
+
     def list_owned(self, prefix: str = NAME_PREFIX) -> list[OwnedInstance]:
         """Running sandboxes of the ``dtrun`` app (listed by its app id) named with ``prefix``."""
         try:

@@ -184,3 +184,52 @@ def test_no_modal_gpu_moves_the_controller_to_the_next_offer(tmp_path, dtrun_hom
             break
     store.close()
     server.reset()
+
+
+@pytest.mark.timeout(120)
+def test_dtrun_down_during_a_modal_image_build_creates_no_sandbox(tmp_path, dtrun_home, monkeypatch):
+    """Through the real modal client and the local fake control plane: `dtrun down` while the
+    launch in flight is still building its image. Nothing exists to find by name yet; the
+    controller must tell Modal the launch is cancelled (the adapter's cancel by name), so the
+    build's end creates no GPU sandbox — not one that bills until the abandoned worker or the
+    orphan sweep ends it (or, if this process exits first, until its timeout)."""
+    import threading
+    import time
+
+    from provider_fakes import modal_server
+
+    from providers.modal.api import ModalAPI
+
+    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-fake")
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-fake")
+    server = modal_server()
+    server.script.build_seconds = 0.5  # per layer: the build outlasts the controller's stop grace
+    provider = ModalProvider(ModalAPI(), home=dtrun_home, confirm_wait_seconds=2.0, gpu_wait_seconds=1.0)
+    spec = parse_spec({
+        "name": "mb",
+        "resources": {"providers": ["modal"], "gpu": "H100", "gpus_per_node": 1, "spot": False},
+        "trainer": {"model": "tiny", "steps": 100, "batch_size": 8, "seq_len": 64},
+        "checkpoint": {"uri": f"file://{tmp_path}/run", "every_steps": 10},
+        "budget": {"max_usd": 100.0},
+        "recovery": {"poll_seconds": 30},
+    })
+    store = StateStore(dtrun_home / "state.db")
+    c = Controller(spec, store, clock=VirtualClock(), providers={"modal": provider},
+                   plan=make_plan(spec, offers=[MODAL]), write_lease=False, launch_wait_seconds=0.05)
+
+    def on_tick(_c):
+        end = time.monotonic() + 30
+        while "ImageJoinStreaming" not in server.calls and time.monotonic() < end:
+            time.sleep(0.02)
+        assert "ImageJoinStreaming" in server.calls
+        store.request_action("mb", "stop")
+
+    try:
+        assert c.run(on_tick=on_tick) == "CANCELLED"
+        for t in threading.enumerate():
+            if t.name.startswith("dtrun-launch-"):
+                t.join(60.0)
+        assert server.sandboxes == {}, "a GPU sandbox was created after `dtrun down`"
+    finally:
+        store.close()
+        server.reset()
