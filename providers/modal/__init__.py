@@ -226,8 +226,12 @@ class ModalProvider(Provider):
             env.setdefault("DTRUN_DEADLINE", str(int(request.deadline)))
         # The node's watchdog stops for a planned restart this long before Modal's own timeout
         # (infra/node_bootstrap.py: DTRUN_NODE_TIMEOUT_SECONDS counted from the node's start).
-        env["DTRUN_NODE_TIMEOUT_SECONDS"] = str(timeout)
-        env["DTRUN_RESTART_GRACE_SECONDS"] = f"{self.restart_grace_seconds:g}"
+        # Only when that timeout is Modal's cap: one cut to the job's deadline ends the node at the
+        # deadline, which the node's deadline check already stops for (a planned restart there
+        # would relaunch, uncounted, a sandbox too short to train — again and again).
+        if request.deadline is None or timeout < int(request.deadline - now):
+            env["DTRUN_NODE_TIMEOUT_SECONDS"] = str(timeout)
+            env["DTRUN_RESTART_GRACE_SECONDS"] = f"{self.restart_grace_seconds:g}"
         gpus = offer.gpus_per_node
         cpu = request.cpu_per_gpu * gpus if request.cpu_per_gpu else None
         mem = int(request.memory_gb_per_gpu * gpus * 1024) if request.memory_gb_per_gpu else None

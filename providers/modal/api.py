@@ -245,11 +245,16 @@ class ModalAPI:
             if should_cancel is not None and should_cancel():
                 raise Cancelled(f"{spec.name}: launch cancelled while the image was building")
             timeout, env = spec.timeout, dict(spec.env)
+            to_deadline = False
             if spec.deadline is not None:
-                timeout = min(timeout, int(spec.deadline - time.time()))
+                left = int(spec.deadline - time.time())
+                to_deadline = left <= timeout
+                timeout = min(timeout, left)
                 if timeout <= 0:
                     raise DeadlinePassed(f"{spec.name}: the deadline passed while the image was building")
-            if "DTRUN_NODE_TIMEOUT_SECONDS" in env:
+            if to_deadline:  # the node ends at the deadline: its deadline check stops it, no planned restart
+                env.pop("DTRUN_NODE_TIMEOUT_SECONDS", None)
+            elif "DTRUN_NODE_TIMEOUT_SECONDS" in env:
                 env["DTRUN_NODE_TIMEOUT_SECONDS"] = str(timeout)
             sb = modal.Sandbox.create(
                 *spec.command, app=app, name=spec.name, tags=spec.tags, image=image,

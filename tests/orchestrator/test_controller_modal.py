@@ -233,3 +233,27 @@ def test_dtrun_down_during_a_modal_image_build_creates_no_sandbox(tmp_path, dtru
     finally:
         store.close()
         server.reset()
+
+
+def test_a_modal_node_whose_timeout_is_the_deadline_stops_for_the_deadline_not_a_planned_restart(tmp_path):
+    """budget.max_hours shorter than Modal's 24 h cap: the sandbox timeout is cut to the job's
+    deadline, so the provider's end IS the deadline. The node's watchdog must stop for the deadline
+    (OVER_BUDGET), not for a "planned restart" 20 min before it — that one is relaunched at once,
+    uncounted, and each new sandbox (timeout < the restart grace) restarts again at its first check
+    until the controller's deadline guard finally stops it: start-ups paid for nothing."""
+    from providers.base import LaunchRequest
+
+    now = 1_000_000.0
+    deadline = now + 2 * 3600
+    req = LaunchRequest(job="dl", attempt=1, offer=MODAL, nodes=1, command=["python", "infra/node_bootstrap.py"],
+                        env={"DTRUN_RUN_URI": f"file://{tmp_path}/run", "DTRUN_DEADLINE": f"{deadline:.3f}"},
+                        deadline=deadline)
+    spec = ModalProvider(FakeModalAPI(), home=tmp_path).sandbox_spec(req, now=now)
+    assert spec.timeout == 2 * 3600
+    start = now + 120  # the container starts after the create (image pull, scheduling)
+    wd = nb.Watchdog(nb.NodeConfig.from_env({**spec.env, "DTRUN_WATCHDOG_SECONDS": "10"}), start=start,
+                     clock=lambda: start)
+    t = start
+    while (hit := wd.check(t)) is None and t < deadline:
+        t += 10
+    assert hit is not None and hit[0] == "deadline", hit
