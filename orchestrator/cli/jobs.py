@@ -192,6 +192,15 @@ def _new_lines(old: list[str], new: list[str]) -> list[str]:
 
 
 def cmd_logs(job: str, follow: bool, attempt: int | None = None) -> int:
+    try:
+        return _logs(job, follow, attempt)
+    finally:
+        from providers import registry
+
+        registry.close_all()  # stop SkyPilot's API server if reading a node's output started it
+
+
+def _logs(job: str, follow: bool, attempt: int | None) -> int:
     store = StateStore()
     if store.get_job(job) is None:
         raise NotFoundError(f"no job named {job!r} (see `dtrun ls`)")
@@ -303,8 +312,11 @@ def cmd_down(job: str, now: bool) -> int:
     ctl = Controller(spec, store, on_event=view.event)
     if row["state"] in TERMINAL_STATES:
         # finished, but a node is still recorded alive: terminate it (confirmed)
-        while not ctl._terminate_nodes():
-            time.sleep(1)
+        try:
+            while not ctl._terminate_nodes():
+                time.sleep(1)
+        finally:
+            ctl._close_providers()  # stop SkyPilot's API server if terminating started it
         print(f"{job}: every node terminated (confirmed)")
         return EXIT_OK
     state = ctl.run()

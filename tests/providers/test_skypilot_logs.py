@@ -58,3 +58,33 @@ def test_logs_follow_prints_a_remote_attempt_then_stops_with_the_job(two_attempt
 def test_logs_unknown_attempt_is_exit_6(two_attempts, capsys):
     assert main(["logs", "lj", "--attempt", "9"]) == 6
     assert "no attempt 9" in capsys.readouterr().err
+
+
+def test_logs_releases_what_it_started(two_attempts, capsys, monkeypatch):
+    """Reading a SkyPilot attempt's output starts SkyPilot's local API server when none runs; like
+    every other command that touches SkyPilot (`dtrun gc`, the controller), `dtrun logs` stops the
+    one it started when it is done (``Provider.close``), instead of leaving it running."""
+    closed = []
+    monkeypatch.setattr(two_attempts, "close", lambda: closed.append(True), raising=False)
+    assert main(["logs", "lj"]) == 0
+    assert closed
+    closed.clear()
+    assert main(["logs", "lj", "-f", "--attempt", "2"]) == 0
+    assert closed
+
+
+def test_down_of_a_finished_job_with_a_live_node_releases_what_it_started(two_attempts, capsys, monkeypatch):
+    """`dtrun down` with no controller running, of a finished job whose node is still recorded
+    alive, terminates it here through SkyPilot, then stops the API server that started (if any)."""
+    from orchestrator.plan.spec import parse_spec, spec_to_yaml
+
+    spec = parse_spec({"name": "lj", "resources": {"providers": ["runpod"], "gpu": "H100", "gpus_per_node": 1},
+                       "trainer": {"model": "tiny", "steps": 10, "batch_size": 8, "seq_len": 64},
+                       "checkpoint": {"uri": "s3://b/lj"}})
+    store = StateStore()
+    store.update_job("lj", spec_yaml=spec_to_yaml(spec))
+    closed = []
+    monkeypatch.setattr(two_attempts, "close", lambda: closed.append(True), raising=False)
+    assert main(["down", "lj"]) == 0
+    assert all(n["terminated_at"] is not None for n in store.nodes("lj"))
+    assert closed
