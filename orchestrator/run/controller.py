@@ -380,7 +380,11 @@ class Controller:
         up where the failed one stopped. ``MAX_TICK_FAILURES`` failures in a row → a
         ``controller_exit`` event and :class:`ControllerGaveUp`; the nodes are left running
         under their own watchdogs, none is recorded terminated."""
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self._close_providers()  # the orphan sweep may have used (and started) them
+            raise
         failures = 0
         try:
             while True:

@@ -198,3 +198,27 @@ def test_close_waits_for_an_abandoned_launch(tmp_path):
         if t.name.startswith("dtrun-launch-"):
             t.join(10.0)
     assert cloud.running_instances() == []  # the worker ended what the late launch created
+
+
+class ClosingCloud(FakeProvider):
+    def __init__(self, clock: VirtualClock, **kw) -> None:
+        super().__init__(clock=clock, **kw)
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_close_runs_when_start_fails_after_using_the_providers(tmp_path):
+    """``Controller.run`` whose start fails after the orphan sweep already used the providers (here
+    the run URI cannot be written): the providers are closed all the same (SkyPilot: the API server
+    the sweep started is stopped), not only when the loop ran."""
+    clock = VirtualClock()
+    cloud = ClosingCloud(clock, offers=[FakeOfferTemplate("fake-east", "H100", False, PRICE)],
+                         provision_seconds=60, autodown_seconds=None, terminate_seconds=0)
+    (tmp_path / "run").write_text("a file where the run directory should be\n")
+    store = StateStore(tmp_path / "state.db")
+    c = Controller(_spec(tmp_path), store, clock=clock, providers={"fake": cloud}, write_lease=False)
+    with pytest.raises(OSError):
+        c.run()
+    assert cloud.closed == 1
