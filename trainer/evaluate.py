@@ -36,6 +36,30 @@ class Evaluator:
     def _window(self, i: int) -> np.ndarray:
         return self.source.sample(i % self.available)
 
+    def check(self) -> None:
+        """Read this rank's windows once at startup and agree across ranks (collective): a
+        validation token id ≥ vocab_size is a ConfigError on *every* rank before step 1, not on the
+        one rank whose windows hold it at the first evaluation (the others blocked in the
+        all-reduce, no message from rank 0)."""
+        import torch.distributed as dist
+
+        from trainer.errors import ConfigError
+
+        err = None
+        try:
+            for r in range(self.rounds):
+                first = r * self.dp * self.mb + self.dp_rank * self.mb
+                for j in range(self.mb):
+                    self._window(first + j)
+        except ConfigError as e:
+            err = str(e)
+        if dist.is_initialized():
+            errs: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errs, err)
+            err = next((x for x in errs if x is not None), None)
+        if err is not None:
+            raise ConfigError(err)
+
     def evaluate(self, model: Any, device: Any, amp: Any) -> float:
         """Mean validation cross-entropy (collective: every rank calls it)."""
         import torch

@@ -312,6 +312,8 @@ class Run:
                               f"trainer.val_data")
         evaluator = (Evaluator(vsrc, seq_len=t.seq_len, eval_tokens=t.eval_tokens, micro_batch=self.mb,
                                dp=dims.dp, dp_rank=dp_rank) if vsrc is not None else None)
+        if evaluator is not None:
+            evaluator.check()
         describe = {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate}
         ckpt = CheckpointManager(self.run_uri, keep=spec.checkpoint.keep, async_mode=spec.checkpoint.async_mode,
                                  rank=self.rank, world_size=self.world, dp_rank=dp_rank, describe=describe,
