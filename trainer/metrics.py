@@ -22,7 +22,7 @@ refreshing ``time`` once no step has completed for ``stall_s`` (the trainer pass
 ``recovery.heartbeat_timeout_seconds``), so a loop stuck in a collective still goes stale as it did
 before this thread existed. A steady-state step longer than about 1.5 × the heartbeat timeout is
 therefore treated as a hang; the one-off phases (starting, loading_checkpoint, first_step,
-checkpointing, stopping) are bounded by ``idle_minutes`` instead.
+checkpointing, evaluating, stopping) are bounded by ``idle_minutes`` instead.
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ from orchestrator.contract import runuri
 
 log = logging.getLogger("trainer")
 
-PHASES = ("starting", "loading_checkpoint", "first_step", "training", "checkpointing", "stopping")
+PHASES = ("starting", "loading_checkpoint", "first_step", "training", "checkpointing", "evaluating", "stopping")
 """``progress.json["phase"]``: starting (process group, model build, parallelise), loading_checkpoint
 (resume), first_step (the first step of this attempt: compilation, warm-up), training,
-checkpointing (a save inside the loop), stopping (SIGTERM / STOP / last step: final save, DONE, exit)."""
+checkpointing (a save inside the loop), evaluating (a validation pass: ``trainer.eval_tokens`` can take
+longer than a step), stopping (SIGTERM / STOP / last step: final save, DONE, exit)."""
 
 
 def peak_flops(device_type: str) -> float | None:

@@ -7,7 +7,7 @@ Order of events (every failure before step 1 is a one-line error and exit 2):
 2. rank 0 probes the run URI (write, read back, delete) — unreachable/unwritable → exit 2; then
    starts the heartbeat thread (trainer.metrics): progress.json every ``trainer.heartbeat_seconds``
    from here on, whatever the main thread does, with ``phase`` starting → loading_checkpoint →
-   first_step → training (⇄ checkpointing) → stopping;
+   first_step → training (⇄ checkpointing, evaluating) → stopping;
 3. process groups (gloo on CPU, nccl + gloo on GPU), meshes; the model is built on the meta
    device, parallelised (TP → EP → AC → compile → FSDP2), materialised and initialised from the
    seed; optimizer; data loader;
@@ -458,7 +458,9 @@ class Run:
                         save(step, sync=True)
                     return finish(EXIT_DONE, "stopped")
                 if evaluator is not None and ((t.eval_every and step % t.eval_every == 0) or step == total):
+                    metrics.set_phase("evaluating")  # not a stalled step: the heartbeat keeps beating
                     val = evaluator.evaluate(model, device, lambda: amp_context(device, param_dtype, meshes))
+                    metrics.set_phase("training")
                     metrics.eval(step, val)
                 due = (isinstance(every, int) and step % every == 0) or auto_now > 0
                 if due and step < total:

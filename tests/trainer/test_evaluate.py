@@ -28,3 +28,32 @@ def test_out_of_vocab_validation_token_on_one_rank_is_a_config_error_before_step
     assert len(lines) == 1 and "trainer.val_data" in lines[0] and "vocab_size 256" in lines[0], out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert runuri.checkpoint_steps(uri) == []  # refused before training, nothing to resume
+
+
+def test_heartbeat_keeps_beating_through_an_evaluation_longer_than_the_stall_window(trainer, tmp_path):
+    # recovery.heartbeat_timeout_seconds 2 → the training phase's stall window is 1 s; an evaluation
+    # of 2^17 tokens (1024 forward passes per rank) takes longer. Before: evaluation ran in the
+    # "training" phase, so the heartbeat went stale mid-evaluation and the controller would declare
+    # the node lost (and a resume before the evaluation's checkpoint would evaluate again).
+    import yaml
+
+    from tests.trainer.test_trainer_heartbeat import Sampler
+    from trainer.metrics import PHASES
+
+    uri = f"file://{tmp_path}/run"
+    job = trainer.job("longeval", nproc=2, run_uri=uri, model=DENSE, steps=2, every=2,
+                      val_data="synthetic", eval_every=1, eval_tokens=1 << 17)
+    spec = yaml.safe_load(job.read_text())
+    spec["recovery"] = {"heartbeat_timeout_seconds": 2}
+    job.write_text(yaml.safe_dump(spec))
+    sampler = Sampler(uri)
+    rc, out = trainer.run(job, 2)
+    seen = sampler.stop()
+    assert rc == 0, out[-3000:]
+    assert all(p["phase"] in PHASES for p in seen)
+    evaluating = [p for p in seen if p["phase"] == "evaluating"]
+    times = sorted({p["time"] for p in evaluating})
+    # beats kept coming during the evaluation, past the 1 s stall window (heartbeat_seconds 0.2)
+    assert len(times) >= 4 and times[-1] - times[0] > 1.0, (times, [(p["phase"], p["time"]) for p in seen])
+    final = runuri.read_json(runuri.join(uri, runuri.PROGRESS))
+    assert final["status"] == "done" and final["val_loss"] is not None
