@@ -41,7 +41,7 @@ from trainer.errors import ConfigError
 READ_BLOCK_BYTES = int(os.environ.get("DTRUN_DATA_BLOCK_BYTES", 8 << 20))
 """One ranged GET per aligned block of this size (remote shards); env ``DTRUN_DATA_BLOCK_BYTES``."""
 CACHE_BLOCKS = 8
-"""Blocks kept per shard source (LRU): every rank of a data-parallel group reads the same blocks."""
+"""Blocks kept per shard source, over all its shards (LRU): every rank of a data-parallel group reads the same blocks."""
 PREFETCH_STEPS = 2
 """Optimizer steps of micro-batches the background thread prepares ahead of the loop."""
 
@@ -66,15 +66,25 @@ class SyntheticSource:
         return np.stack([self.sample(first + j) for j in range(count)])
 
 
+class _BlockCache:
+    """The LRU of one :class:`ShardSource` (``CACHE_BLOCKS`` blocks over all its shards: a long run
+    visits hundreds of shards and must not keep ``CACHE_BLOCKS`` blocks of each)."""
+
+    def __init__(self) -> None:
+        self.blocks: collections.OrderedDict[tuple[str, int], bytes] = collections.OrderedDict()
+        self.lock = threading.Lock()
+
+
 class _Shard:
-    def __init__(self, fs: Any, info: shardfmt.ShardInfo, local: bool):
+    def __init__(self, fs: Any, info: shardfmt.ShardInfo, local: bool, cache: _BlockCache | None = None):
         self.fs, self.path, self.local = fs, info.path, local
         self.offset, self.dtype, self.n = info.offset, np.dtype(info.dtype), info.n_tokens
         self._mm = (np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.n,))
                     if local and self.n > 0 else None)
-        self._blocks: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._cache = cache or _BlockCache()
+        self._blocks = self._cache.blocks  # keyed (path, block)
         self._inflight: dict[int, Any] = {}
-        self._lock = threading.Lock()
+        self._lock = self._cache.lock
         self.requests = 0  # ranged GETs issued (benchmarks)
         self.n_blocks = -(-self.n * self.dtype.itemsize // READ_BLOCK_BYTES)
 
@@ -84,7 +94,7 @@ class _Shard:
         b = self.fs.cat_file(self.path, start=start, end=end)
         with self._lock:
             self.requests += 1
-            self._blocks[k] = b
+            self._blocks[(self.path, k)] = b
             self._inflight.pop(k, None)
             while len(self._blocks) > CACHE_BLOCKS:
                 self._blocks.popitem(last=False)
@@ -92,13 +102,13 @@ class _Shard:
 
     def _block(self, k: int) -> bytes:
         with self._lock:
-            b = self._blocks.get(k)
+            b = self._blocks.get((self.path, k))
             if b is not None:
-                self._blocks.move_to_end(k)
+                self._blocks.move_to_end((self.path, k))
             fut = self._inflight.get(k)
             nxt = k + 1
             # Read-ahead: the stream moves forward, so fetch the next block in the background.
-            if nxt < self.n_blocks and nxt not in self._blocks and nxt not in self._inflight:
+            if nxt < self.n_blocks and (self.path, nxt) not in self._blocks and nxt not in self._inflight:
                 self._inflight[nxt] = _READ_AHEAD.submit(self._fetch, nxt)
         if b is not None:
             return b
@@ -167,9 +177,10 @@ class ShardSource:
             raise NoShards(f"{field}: no .bin or .npy token shards at {uri}")
         self.files = files
         self.shards = []
+        cache = _BlockCache()
         for f in files:
             try:
-                shard = _Shard(fs, shardfmt.read_info(fs, f), local)
+                shard = _Shard(fs, shardfmt.read_info(fs, f), local, cache)
             except shardfmt.ShardFormatError as e:
                 raise ConfigError(f"{field}: {e}") from None
             except Exception as e:  # noqa: BLE001 - truncated/corrupt file: name it, no traceback

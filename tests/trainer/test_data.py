@@ -111,3 +111,28 @@ def test_prefetch_restarts_on_resume_and_raises_source_errors():
         for s in range(2, 20):
             list(ld.batches(s))
     ld.close()
+
+
+def test_block_cache_is_bounded_over_all_shards_of_a_source(monkeypatch, s3_server):
+    """A long run walks through hundreds of remote shards: the source keeps ``CACHE_BLOCKS`` blocks
+    in all, not ``CACHE_BLOCKS`` per shard (before: 64 MiB of host memory per shard ever visited,
+    per rank — 64 GB per rank after 1,000 FineWeb shards)."""
+    import fsspec
+
+    import trainer.data as data
+
+    monkeypatch.setattr(data, "READ_BLOCK_BYTES", 1024)
+    fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3_server})
+    fs.mkdir("many-shards")
+    n_shards, per = 6, 4096  # 8 blocks of 1 KiB per shard
+    stream = (np.arange(n_shards * per) * 13) % 50_000
+    for i in range(n_shards):
+        fs.pipe(f"many-shards/d/train_{i:06d}.bin", encode(stream[i * per:(i + 1) * per], 50_000))
+    src = build_source("s3://many-shards/d", seq_len=64, vocab_size=50_000, seed=0)
+    for i in range(0, src.total // 64 - 4, 4):  # the whole stream, in order
+        assert np.array_equal(src.samples(i, 4), np.stack([stream[(i + j) * 64:(i + j) * 64 + 65] for j in range(4)]))
+    for s in src.shards:  # let the read-ahead finish
+        for f in list(s._inflight.values()):
+            f.result()
+    cached = {id(b) for s in src.shards for b in s._blocks.values()}
+    assert len(cached) <= data.CACHE_BLOCKS, len(cached)
