@@ -66,6 +66,8 @@ class Evaluator:
         import torch.distributed as dist
         import torch.nn.functional as F
 
+        from trainer.model import loss_context
+
         was_training = model.training
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device)
@@ -75,11 +77,14 @@ class Evaluator:
                 arr = np.stack([self._window(first + j) for j in range(self.mb)])
                 t = torch.from_numpy(arr).to(device)
                 x, y = t[:, :-1], t[:, 1:]
-                with amp():
-                    logits = model(x)
-                if hasattr(logits, "full_tensor"):
-                    logits = logits.full_tensor()
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+                # Under TP with an untied head the logits are vocab-sharded: loss parallel, as in
+                # training (gathering them would hold mb·T·V logits per rank, tp× training's).
+                with loss_context(model):
+                    with amp():
+                        logits = model(x)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.reshape(-1), reduction="sum")
+                if hasattr(loss, "full_tensor"):
+                    loss = loss.full_tensor()
                 total[0] += loss.double()
                 total[1] += y.numel()
         if dist.is_initialized():
