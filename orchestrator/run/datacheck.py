@@ -18,15 +18,16 @@ def check_data_vocab(spec, source: str = "job", remote: bool = True) -> None:
     from trainer.prepare import read_manifest
 
     t = spec.trainer
-    if not remote and "://" in t.data and not t.data.startswith("file://"):
-        return
-    m = read_manifest(t.data)
-    if not m:
-        return
-    need = int(m.get("vocab_size") or 0)
-    have = t.model_spec.vocab_size
-    if need > have:
-        tok = (m.get("tokenizer") or {}).get("name")
-        raise SpecError(f"{source}: trainer.model: vocab_size {have} is smaller than the vocabulary of the data's "
-                        f"tokenizer ({tok}: {need} tokens, manifest beside {t.data}); token ids ≥ {have} would "
-                        f"index past the embedding. Use a model with vocab_size ≥ {need}; nothing rented")
+    for data in (t.data, t.val_data):  # the validation shards are indexed into the same embedding
+        if data is None or (not remote and "://" in data and not data.startswith("file://")):
+            continue
+        m = read_manifest(data)
+        if not m:
+            continue
+        need = int(m.get("vocab_size") or 0)
+        have = t.model_spec.vocab_size
+        if need > have:
+            tok = (m.get("tokenizer") or {}).get("name")
+            raise SpecError(f"{source}: trainer.model: vocab_size {have} is smaller than the vocabulary of the data's "
+                            f"tokenizer ({tok}: {need} tokens, manifest beside {data}); token ids ≥ {have} would "
+                            f"index past the embedding. Use a model with vocab_size ≥ {need}; nothing rented")

@@ -249,3 +249,20 @@ def test_model_vocab_smaller_than_the_tokenizer_is_refused_before_renting(corpus
     p = subprocess.run([sys.executable, "-m", "trainer", "--job", str(job)], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert p.returncode == 2 and "vocab_size 256 is smaller than" in p.stderr
+
+
+def test_validation_data_with_a_larger_vocabulary_is_refused_before_renting(corpus, tmp_path, dtrun_home, capsys):
+    import yaml
+
+    out = tmp_path / "valdata"  # a 300-token tokenizer's shards, named as trainer.val_data only
+    prepare(str(corpus["src"] / "doc0.txt"), str(out), tokenizer=corpus["tok"], val_tokens=100, workers=1)
+    job = tmp_path / "job.yaml"
+    model = {"vocab_size": 256, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}
+    job.write_text(yaml.safe_dump({
+        "name": "val-vocab-check", "resources": {"providers": ["local"], "gpu": "cpu"},
+        "trainer": {"model": model, "steps": 2, "batch_size": 2, "seq_len": 16, "data": "synthetic",
+                    "val_data": str(out / "val_*.bin"), "eval_every": 1},
+        "checkpoint": {"uri": str(tmp_path / "run")}}))
+    rc = dtrun(["up", str(job), "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "vocab_size 256 is smaller than" in err and "300" in err and "nothing rented" in err, err
