@@ -159,6 +159,12 @@ class NoShards(ConfigError):
     """No token shard where the spec points."""
 
 
+class TokenOutOfVocab(ConfigError):
+    """A token id ≥ vocab_size in the windows this rank read: found by one rank, not all."""
+
+    rank_local = True  # trainer.train.main prints it on whichever rank raised it
+
+
 class ShardSource:
     def __init__(self, uri: str, seq_len: int, vocab_size: int, *, field: str = "trainer.data",
                  which: str = "train"):
@@ -215,7 +221,7 @@ class ShardSource:
         T = self.T
         flat = self._read(first * T, count * T + 1).astype(np.int64)
         if flat.max(initial=0) >= self.V:
-            raise ConfigError(f"{self.field}: token id {int(flat.max())} ≥ vocab_size {self.V}")
+            raise TokenOutOfVocab(f"{self.field}: token id {int(flat.max())} ≥ vocab_size {self.V}")
         idx = np.arange(count)[:, None] * T + np.arange(T + 1)[None, :]
         return flat[idx]
 

@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(code)
         return code
     except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        # Every rank raises the same ConfigError (rank 0 prints it), except a rank-local one (bad
+        # data in this rank's batch): the others then fail in a collective, so this rank says why.
+        if int(os.environ.get("RANK", "0")) == 0 or getattr(e, "rank_local", False):
             print(f"dtrun trainer: error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_CONFIG
     except CheckpointUnavailable as e:  # storage trouble at resume: retryable, nothing deleted

@@ -121,3 +121,21 @@ def test_validation_under_tp_keeps_logits_vocab_sharded(tmp_path):
     m = re.search(r"VAL (\S+) REF (\S+)", out.stdout)
     assert m and abs(float(m.group(1)) - float(m.group(2))) < 1e-5, out.stdout
     assert "FULL_VOCAB_GATHERS 0" in out.stdout, out.stdout
+
+
+def test_out_of_vocab_training_token_seen_by_one_rank_only_is_reported(trainer, tmp_path):
+    # Raw shards (no data-prepare manifest to check up front): only data-parallel rank 1's first
+    # micro-batch (samples 2, 3: tokens 64…128) holds an id ≥ vocab_size. Before: rank 1 raised the
+    # ConfigError, only rank 0 prints them, so the job exited 2 with a gloo traceback and no error line.
+    from trainer.shards import encode
+
+    train = (np.arange(8192) % 200).astype(np.int64)
+    train[100] = 300
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train_000000.bin").write_bytes(encode(train, 65536))
+    uri = f"file://{tmp_path}/run"
+    job = trainer.job("badtrain", nproc=2, run_uri=uri, model=DENSE, steps=4, every=4, data=str(tmp_path / "d"))
+    rc, out = trainer.run(job, 2, timeout=200)
+    assert rc == 2, out[-3000:]
+    lines = [x for x in out.splitlines() if x.startswith("dtrun trainer: error")]
+    assert lines and all("trainer.data" in x and "vocab_size 256" in x for x in lines), out[-3000:]
