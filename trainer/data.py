@@ -133,7 +133,8 @@ class _Shard:
 
 
 def _list_shards(fs: Any, path: str, uri: str, field: str, *, which: str) -> list[str]:
-    """The shard files at ``path``: ``which`` = train (validation names left out), val (only those), all."""
+    """The shard files at ``path``: ``which`` = train (validation names left out), val (only those),
+    val_or_all (the validation-named ones if any, else all)."""
     try:
         if any(ch in path for ch in "*?["):
             files = fs.glob(path)
@@ -146,6 +147,8 @@ def _list_shards(fs: Any, path: str, uri: str, field: str, *, which: str) -> lis
     files = sorted(f for f in files if not f.endswith((".json", ".tmp")))  # data prepare's manifest, partials
     if which == "val":
         return [f for f in files if shardfmt.is_validation(f)]
+    if which == "val_or_all":  # trainer.val_data: its validation-named shards if it has any
+        return [f for f in files if shardfmt.is_validation(f)] or files
     if which == "train":
         val = [f for f in files if shardfmt.is_validation(f)]
         files = [f for f in files if not shardfmt.is_validation(f)]
@@ -334,12 +337,12 @@ def build_source(data: str, seq_len: int, vocab_size: int, seed: int) -> Any:
 
 def build_val_source(data: str, val_data: str | None, seq_len: int, vocab_size: int, seed: int) -> Any:
     """The validation stream, or None when the job has none: ``trainer.val_data`` (every shard it
-    names; ``synthetic`` is a held-out synthetic stream, another seed), else the validation-named
+    names, or only the validation-named ones where it names some — a ``data prepare`` folder; ``synthetic`` is a held-out synthetic stream, another seed), else the validation-named
     shards beside ``trainer.data`` (``data prepare``'s ``val_*.bin``, llm.c's ``*_val_*.bin``)."""
     if val_data == "synthetic":
         return SyntheticSource(vocab_size, seq_len, seed + 1_000_003)
     if val_data is not None:
-        return ShardSource(_uri(val_data), seq_len, vocab_size, field="trainer.val_data", which="all")
+        return ShardSource(_uri(val_data), seq_len, vocab_size, field="trainer.val_data", which="val_or_all")
     if data == "synthetic":
         return None
     folder = _uri(data)

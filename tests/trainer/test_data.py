@@ -136,3 +136,18 @@ def test_block_cache_is_bounded_over_all_shards_of_a_source(monkeypatch, s3_serv
             f.result()
     cached = {id(b) for s in src.shards for b in s._blocks.values()}
     assert len(cached) <= data.CACHE_BLOCKS, len(cached)
+
+
+def test_val_data_naming_a_prepared_folder_validates_on_its_val_shards_only(tmp_path):
+    """``trainer.val_data: <the data prepare folder>`` (train_*.bin and val_*.bin side by side)
+    must not validate on the training shards (before: every shard in the folder, training included)."""
+    train = (np.arange(3000) * 7) % 200
+    val = np.full(1000, 199)
+    (tmp_path / "train_000000.bin").write_bytes(encode(train, 256))
+    (tmp_path / "val_000000.bin").write_bytes(encode(val, 256))
+    vsrc = build_val_source(str(tmp_path), str(tmp_path), seq_len=64, vocab_size=256, seed=0)
+    assert [f.rsplit("/", 1)[-1] for f in vsrc.files] == ["val_000000.bin"] and vsrc.total == 1000
+    # a folder with no validation-named shard is validation data as a whole
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "part_000.bin").write_bytes(encode(val, 256))
+    assert build_val_source(str(tmp_path), str(tmp_path / "held"), 64, 256, 0).total == 1000
