@@ -190,7 +190,7 @@ def test_close_waits_for_an_abandoned_launch(tmp_path):
 
     try:
         assert c.run(on_tick=on_tick) == "CANCELLED"
-        assert True not in cloud.closed_while_launching, "provider closed under a launch still running"
+        assert not any(cloud.closed_while_launching), "provider closed under a launch still running"
     finally:
         cloud.release.set()
     assert cloud.returned.wait(10.0)
