@@ -64,9 +64,8 @@ class Evaluator:
         """Mean validation cross-entropy (collective: every rank calls it)."""
         import torch
         import torch.distributed as dist
-        import torch.nn.functional as F
 
-        from trainer.model import loss_context
+        from trainer.model import loss_context, loss_fn
 
         was_training = model.training
         model.eval()
@@ -82,7 +81,8 @@ class Evaluator:
                 with loss_context(model):
                     with amp():
                         logits = model(x)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.reshape(-1), reduction="sum")
+                    # In chunks, as in training: no fp32 copy of the whole micro-batch's logits.
+                    loss = loss_fn(logits, y)[1] * y.numel()
                 if hasattr(loss, "full_tensor"):
                     loss = loss.full_tensor()
                 total[0] += loss.double()

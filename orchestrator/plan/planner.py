@@ -53,7 +53,9 @@ and adapt the terms to this model: no dropout (no masks), grouped-query K/V, Swi
 tensors instead of GeLU's two), QK-norm inputs, and a fused attention kernel (SDPA/flash:
 the ``5·a·s/h`` score terms become an fp32 log-sum-exp per head). Activation checkpointing keeps
 only each checkpointed block's input (``s·b·h``) plus one block's full activations during its
-recompute. The loss adds the logits (compute dtype) and their fp32 upcast and gradient. With
+recompute. The loss adds the logits and their gradient (compute dtype) plus one chunk's fp32 upcast,
+log-probabilities and gradient (the trainer computes the loss in chunks; under loss parallel the
+vocab-sharded logits are upcast in one shot). With
 TP the planner keeps the micro-batch of the pure data-parallel layout (``batch_size / GPUs``;
 gradient accumulation makes up the rest), so TP lowers per-rank activations.
 
@@ -293,6 +295,11 @@ def block_activation_bytes(ms: ModelSpec, layer: int, seq: int, micro_batch: int
     return replicated + (attn + mlp) // tp
 
 
+LOSS_CHUNK_BYTES = 256 << 20
+"""fp32 logits bytes the trainer's loss upcasts at a time (the same number as
+``trainer.model.LOSS_CHUNK_BYTES``; a test keeps them equal — plan/ may not import the trainer)."""
+
+
 def activation_bytes(ms: ModelSpec, seq: int, micro_batch: int, elem: int, tp: int = 1,
                      ep: int = 1, checkpointing: str = "none", fused_attention: bool = True) -> int:
     """Saved activations of the whole model for one micro-batch, at the peak (start of backward)."""
@@ -308,11 +315,19 @@ def activation_bytes(ms: ModelSpec, seq: int, micro_batch: int, elem: int, tp: i
     total = sum(layer_input // tp if i in ckpt else per[i] for i in range(L))  # sequence-parallel inputs
     if ckpt:
         total += max(per[i] for i in ckpt)  # one block recomputed in backward
-    # Final norm input (sequence shard) + head input (gathered), then logits (compute dtype), their
-    # fp32 upcast and gradient: vocab-sharded under TP (loss parallel) when the head is untied; a
-    # tied head runs on the whole sequence on every TP rank (trainer/parallel.py apply_tp).
+    # Final norm input (sequence shard) + head input (gathered), then the logits.
     total += s * b * h * elem // tp + s * b * h * elem
-    total += s * b * ms.vocab_size * (elem + 4 + 4) // (1 if ms.tie_embeddings else tp)
+    logits = s * b * ms.vocab_size
+    if tp > 1 and not ms.tie_embeddings:
+        # Loss parallel (an untied head under TP): vocab-sharded logits, their fp32 upcast and
+        # gradient, in one shot.
+        total += logits * (elem + 4 + 4) // tp
+    else:
+        # The whole vocabulary on every rank (a tied head runs on the whole sequence on every TP
+        # rank, trainer/parallel.py apply_tp): logits and their gradient in the compute dtype; the
+        # fp32 upcast, its log-probabilities and their gradient exist for one chunk of
+        # LOSS_CHUNK_BYTES at a time (trainer.model.loss_fn).
+        total += logits * 2 * elem + 3 * min(logits * 4, LOSS_CHUNK_BYTES)
     return total
 
 
