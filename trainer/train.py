@@ -366,6 +366,7 @@ class Run:
                              phase="stopping")
             return code
 
+        evaluated_at = -1
         try:
             while step < total:
                 lr = lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=total,
@@ -464,12 +465,17 @@ class Run:
                     val = evaluator.evaluate(model, device, lambda: amp_context(device, param_dtype, meshes))
                     metrics.set_phase("training")
                     metrics.eval(step, val)
+                    evaluated_at = step
                 due = (isinstance(every, int) and step % every == 0) or auto_now > 0
                 if due and step < total:
                     save(step)
                     last_auto = time.monotonic()
 
             metrics.set_phase("stopping")
+            if evaluator is not None and evaluated_at != step:
+                # Resumed at the last step (its checkpoint committed, DONE not yet written): the
+                # loop ran no step, so the final validation loss is taken here, not left null.
+                metrics.eval(step, evaluator.evaluate(model, device, lambda: amp_context(device, param_dtype, meshes)))
             ckpt.settle()
             if ckpt.last_committed != step:
                 save(step, sync=True)

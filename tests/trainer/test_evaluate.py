@@ -139,3 +139,21 @@ def test_out_of_vocab_training_token_seen_by_one_rank_only_is_reported(trainer, 
     assert rc == 2, out[-3000:]
     lines = [x for x in out.splitlines() if x.startswith("dtrun trainer: error")]
     assert lines and all("trainer.data" in x and "vocab_size 256" in x for x in lines), out[-3000:]
+
+
+def test_resume_at_the_last_step_still_reports_the_final_validation_loss(trainer, tmp_path):
+    # The final checkpoint committed but DONE not written (the node died in between): the resumed
+    # attempt runs no step. Before: DONE was written with val_loss null (the loop's evaluation at
+    # the last step never ran in this attempt).
+    uri = f"file://{tmp_path}/run"
+    job = trainer.job("lasteval", nproc=2, run_uri=uri, model=DENSE, steps=2, every=2,
+                      val_data="synthetic", eval_every=2, eval_tokens=256)
+    rc, out = trainer.run(job, 2)
+    assert rc == 0, out[-3000:]
+    first = runuri.read_json(runuri.join(uri, runuri.DONE))
+    assert first["val_loss"] is not None
+    (tmp_path / "run" / "DONE").unlink()
+    rc, out = trainer.run(job, 2)
+    assert rc == 0 and "resumed from checkpoint step 2" in out, out[-3000:]
+    done = runuri.read_json(runuri.join(uri, runuri.DONE))
+    assert done["step"] == 2 and done["val_loss"] == pytest.approx(first["val_loss"], abs=1e-6)
