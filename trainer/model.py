@@ -384,6 +384,20 @@ LOSS_CHUNK_BYTES = 256 << 20
 """fp32 bytes of logits one loss chunk upcasts at a time (V = 128k: 512 tokens)."""
 
 
+def _logsumexp(lf: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` over the last dim. On vocab-sharded logits (a DTensor under loss parallel)
+    from the local shards: one all-reduce of the row maxima and one of the row sums —
+    ``torch.logsumexp`` on the DTensor would all-gather the whole vocabulary on every rank."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(lf, DTensor) or not any(getattr(p, "dim", None) in (-1, lf.ndim - 1) for p in lf.placements):
+        return torch.logsumexp(lf, dim=-1)
+    rep = [Replicate()] * lf.device_mesh.ndim
+    m = lf.detach().amax(dim=-1, keepdim=True).redistribute(lf.device_mesh, rep)
+    s = (lf - m).exp().sum(dim=-1).redistribute(lf.device_mesh, rep)
+    return m.squeeze(-1) + s.log()
+
+
 def _ce_sum(logits: torch.Tensor, targets: torch.Tensor, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy and summed logsumexp² of one chunk, computed in fp32."""
     lf = logits.float()
@@ -414,7 +428,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0,
         lf = flat.float()
         ce = F.cross_entropy(lf, tgt)
         if z_loss > 0:
-            return ce + z_loss * torch.logsumexp(lf, dim=-1).pow(2).mean(), ce
+            return ce + z_loss * _logsumexp(lf).pow(2).mean(), ce
         return ce, ce
     from torch.utils.checkpoint import checkpoint
 

@@ -190,6 +190,57 @@ def test_tp_is_sequence_parallel_with_a_vocab_sharded_loss(tmp_path):
     assert "NORM DTensor" in out.stdout, out.stdout
 
 
+_Z_LOSS_SCRIPT = '''
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import loss_parallel
+from trainer.model import loss_fn
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+full = torch.randn(2, 3, 16, requires_grad=True)
+tgt = torch.randint(0, 16, (2, 3))
+ref, _ = loss_fn(full, tgt, z_loss=0.1)
+ref.backward()
+lg = distribute_tensor(full.detach(), mesh, [Shard(2)]).requires_grad_()
+comms = CommDebugMode()
+with loss_parallel(), comms:
+    loss, _ = loss_fn(lg, tgt, z_loss=0.1)
+    loss.backward()
+names = sorted(str(k) for k in comms.get_comm_counts())
+err = (lg.grad.full_tensor() - full.grad).abs().max().item()
+if dist.get_rank() == 0:
+    print("LOSS", float(loss.to_local()), "REF", float(ref), "GRAD_ERR", err, flush=True)
+    print("COMMS", names, flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_z_loss_under_loss_parallel_keeps_the_vocabulary_sharded(tmp_path):
+    """z-loss's logsumexp on vocab-sharded logits: before, ``torch.logsumexp`` on the DTensor
+    all-gathered the whole vocabulary on every TP rank (mb·T·V fp32, the memory loss parallel
+    exists to avoid). Now two small all-reduces; loss and gradient equal the unsharded ones."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "zloss.py"
+    script.write_text(_Z_LOSS_SCRIPT)
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(script)], cwd=repo, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    m = re.search(r"LOSS (\S+) REF (\S+) GRAD_ERR (\S+)", out.stdout)
+    assert m and abs(float(m.group(1)) - float(m.group(2))) < 1e-5 and float(m.group(3)) < 1e-6, out.stdout
+    comms = re.search(r"COMMS (.*)", out.stdout).group(1)
+    assert "all_gather" not in comms, comms
+
+
 _MUON_SPLIT_SCRIPT = '''
 import torch, torch.distributed as dist
 from orchestrator.plan.presets import ModelSpec
