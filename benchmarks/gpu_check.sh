@@ -12,11 +12,20 @@
 # 3. fp8 (torchao) vs bf16: final loss of the same 1-GPU run with trainer.fp8 true/false.
 #
 # Prints one JSON object per check; exit 1 if a run fails.
+#
+# Smoke test of the script itself on a CPU box (gloo; no MFU, no CUDA peaks, fp8 skipped):
+#   GPU=cpu MODEL=tiny SEQ=64 MB=2 PRECISION=fp32 bash benchmarks/gpu_check.sh 2 3
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NGPUS=${1:-8}
 STEPS=${2:-60}
 PY=${PY:-.venv/bin/python}
+MODEL=${MODEL:-gpt2-124m}
+SEQ=${SEQ:-1024}
+MB=${MB:-8}
+PRECISION=${PRECISION:-bf16}
+GPU=${GPU:-H100}  # what the planner prices and checks memory against (the job is run here, by torchrun)
+if [ "$GPU" = cpu ]; then PROVIDER=local; else PROVIDER=${PROVIDER:-lambda}; fi
 export PYTHONPATH=$PWD
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
@@ -25,15 +34,15 @@ job() {  # name ngpus fp8 -> path of a job yaml
   local name=$1 n=$2 fp8=$3
   cat > "$OUT/$name.yaml" <<YAML
 name: $name
-resources: {providers: [local], gpu: H100, gpus_per_node: $n}
+resources: {providers: [$PROVIDER], gpu: $GPU, gpus_per_node: $n}
 trainer:
-  model: gpt2-124m
+  model: $MODEL
   parallel: {dp_shard: $n}
   steps: $STEPS
-  batch_size: $((8 * n))
-  micro_batch_size: 8
-  seq_len: 1024
-  precision: bf16
+  batch_size: $((MB * n))
+  micro_batch_size: $MB
+  seq_len: $SEQ
+  precision: $PRECISION
   compile: true
   fp8: $fp8
   lr: 6.0e-4
