@@ -22,7 +22,11 @@ count only user-code failures):
 
 * ``recovery.max_attempts`` counts failed launches (no capacity, API errors, refusals) and
   crashes (trainer failures, lost nodes) — :func:`counted_attempts`. A preemption (or a planned
-  restart) is not a failure and uses up nothing;
+  restart) is not a failure and uses up nothing; neither is an attempt whose *controller* died
+  while its launch was in flight (``unrecorded``: a controller crash is not the job's failure, and
+  what that launch created is found by its name, terminated and booked by the orphan sweep of the
+  next start). A controller that keeps dying is bounded by whoever restarts it (``dtrun up``);
+  nothing restarts it automatically;
 * preemptions are bounded by money and time (the guard: ``budget.max_usd``, ``budget.max_hours``)
   and by a rate limit: more than ``recovery.max_preemptions_per_hour`` preemptions within the
   last hour stops the job with a reason that says so (:func:`preemption_storm`).
@@ -34,14 +38,18 @@ from providers.base import Offer
 
 MAX_BACKOFF_SECONDS = 300.0
 PREEMPTION_OUTCOMES = frozenset({"preempted", "planned_restart"})
-"""Attempt outcomes that are not failures: they do not count toward ``recovery.max_attempts``."""
+"""Attempt outcomes that are preemptions (the storm limit counts "preempted")."""
+NOT_COUNTED_OUTCOMES = PREEMPTION_OUTCOMES | {"unrecorded"}
+"""Attempt outcomes that are not the job's failures: they do not count toward
+``recovery.max_attempts`` (preemptions, planned restarts, a controller killed mid-launch)."""
 STORM_WINDOW_SECONDS = 3600.0
 
 
 def counted_attempts(attempts: list[dict]) -> int:
     """Attempts that count toward ``recovery.max_attempts``: every ended attempt whose outcome is
-    not a preemption (failed launches, crashes, lost nodes, refusals)."""
-    return sum(1 for a in attempts if a.get("outcome") and a["outcome"] not in PREEMPTION_OUTCOMES)
+    not a preemption nor a controller crash mid-launch (failed launches, crashes, lost nodes,
+    refusals)."""
+    return sum(1 for a in attempts if a.get("outcome") and a["outcome"] not in NOT_COUNTED_OUTCOMES)
 
 
 def preemption_storm(attempts: list[dict], now: float, limit: float | None,
