@@ -100,6 +100,11 @@ LAUNCH_WAIT_CAP_SECONDS = 30.0
 seconds), so a quick launch is recorded in the same tick; a slower one keeps running in its
 thread while the loop goes on ticking (the guard acts within one tick either way)."""
 ABANDON_TERMINATE_TRIES = 10
+"""Tries of the late terminate of what an abandoned launch returned (backoff 0.1 s doubling, capped
+at ``ABANDON_RETRY_CAP_S``: about 26 s in all), after which the orphan sweep takes over."""
+ABANDON_RETRY_CAP_S = 5.0
+ABANDON_CLOSE_WAIT_S = 60.0
+"""How long the end of a run waits (real seconds) for an abandoned launch's late terminate."""
 
 
 class LaunchInFlight:
@@ -110,17 +115,22 @@ class LaunchInFlight:
     and ``dtrun down`` all act. Cancelling it does not interrupt the SDK call (no SDK offers
     that for every provider); instead the controller finds what the launch has created so far
     by its deterministic name (``request.instance_name``, via ``provider.list_owned``) and
-    terminates it through the ordinary node path, and the worker terminates whatever the
-    launch returns after it was abandoned. Nothing here is provider-specific.
+    terminates it through the ordinary node path. A launch the controller stops waiting for
+    (:meth:`abandon`) is ended off the loop thread: whatever it returns later is terminated
+    (retried, confirmed) by its worker, or by a cleanup thread when it had already returned;
+    ``settled`` is set once nothing of it is left to end, ``ended_at`` is when (what the job is
+    booked to). Nothing here is provider-specific.
     """
 
-    def __init__(self, provider: Provider, request: LaunchRequest, price_per_hour: float, t0: float) -> None:
+    def __init__(self, provider: Provider, request: LaunchRequest, price_per_hour: float, t0: float,
+                 clock: Callable[[], float] | None = None) -> None:
         self.provider = provider
         self.request = request
         self.n = request.attempt
         self.offer = request.offer
         self.price_per_hour = price_per_hour
         self.t0 = t0
+        self._clock = clock
         self.handle: Handle | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -128,14 +138,30 @@ class LaunchInFlight:
         self.adopted: set[str] = set()
         """Instance ids the controller found (list_owned) and recorded as this attempt's nodes."""
         self.abandoned = False
+        self.abandoned_at: float | None = None
         self.cleanup_error: str | None = None
+        self.settled = threading.Event()
+        """Set once an abandoned launch has nothing left to end: it raised (created nothing it
+        returned), or what it returned was terminated (``terminated`` True) or the late terminate
+        gave up (``cleanup_error``; the orphan sweep takes over)."""
+        self.terminating = False
+        self.terminated = False
+        self.ended_at: float | None = None
+        self.booked = False
+        self.booked_until: float | None = None
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=f"dtrun-launch-{request.instance_name}",
                                        daemon=True)
+        self.cleanup_thread: threading.Thread | None = None
 
     def start(self) -> "LaunchInFlight":
         self.thread.start()
         return self
+
+    def _now(self) -> float:
+        import time as _time
+
+        return self._clock() if self._clock is not None else _time.time()
 
     def _run(self) -> None:
         try:
@@ -143,33 +169,60 @@ class LaunchInFlight:
         except BaseException as e:  # noqa: BLE001 - handed to the controller's thread
             with self._lock:
                 self.error = e
+                self.ended_at = self._now()
                 self.done.set()
+                self.settled.set()
             return
         with self._lock:
             self.handle = handle
             self.done.set()
-            abandoned = self.abandoned
-        if abandoned:
+            late = self.abandoned
+            self.terminating = late
+        if late:
             self._terminate_late(handle)
 
-    def abandon(self) -> None:
-        """The controller stops waiting: whatever the launch still returns, the worker ends it."""
+    def abandon(self, now: float | None = None) -> None:
+        """The controller stops waiting: whatever the launch still returns is ended off the loop
+        thread (never on it: the late terminate retries for up to ~26 s)."""
         with self._lock:
             self.abandoned = True
-            handle = self.handle if self.done.is_set() else None
-        if handle is not None and handle.instance_id not in self.adopted:
-            self._terminate_late(handle)
+            self.abandoned_at = self._now() if now is None else now
+            if not self.done.is_set():
+                return  # the worker terminates what the launch returns
+            handle = self.handle
+            late = handle is not None and handle.instance_id not in self.adopted
+            self.terminating = late
+            if handle is not None and not late:
+                self.ended_at = self.abandoned_at  # adopted: the controller's node path ends it
+                self.settled.set()
+        if late:
+            assert handle is not None
+            self.cleanup_thread = threading.Thread(target=self._terminate_late, args=(handle,), daemon=True,
+                                                   name=f"dtrun-cleanup-{self.request.instance_name}")
+            self.cleanup_thread.start()
 
     def _terminate_late(self, handle: Handle) -> None:
         import time as _time
 
-        for i in range(ABANDON_TERMINATE_TRIES):
-            try:
-                self.provider.terminate(handle)
-                return
-            except perr.ProviderError as e:
-                self.cleanup_error = f"{type(e).__name__}: {e}"
-                _time.sleep(min(5.0, 0.1 * 2 ** i))
+        try:
+            for i in range(ABANDON_TERMINATE_TRIES):
+                try:
+                    self.provider.terminate(handle)
+                    self.terminated = True
+                    self.cleanup_error = None
+                    return
+                except perr.ProviderError as e:
+                    self.cleanup_error = f"{type(e).__name__}: {e}"
+                    _time.sleep(min(ABANDON_RETRY_CAP_S, 0.1 * 2 ** i))
+        finally:
+            with self._lock:
+                self.ended_at = self._now()
+                self.terminating = False
+                self.settled.set()
+
+    def pending(self) -> bool:
+        """An abandoned launch whose worker (or cleanup thread) is still at work."""
+        return self.abandoned and not self.settled.is_set()
 
     def matches(self, inst: OwnedInstance) -> bool:
         """``inst`` was created by this launch (its name, or its name plus a per-node suffix)."""
@@ -420,8 +473,18 @@ class Controller:
 
     def _close_providers(self) -> None:
         """The loop is over: each provider releases what it started in this process (SkyPilot
-        stops the local API server dtrun started). A launch still in flight keeps it, and so does
-        one that was cancelled and abandoned but has not returned yet."""
+        stops the local API server dtrun started). First it waits for the late terminate of an
+        abandoned launch that has returned (bounded by its retries), and books it. A launch still
+        in flight keeps the providers open, and so does one that was cancelled and abandoned but
+        has not returned yet."""
+        for inf in self._abandoned:
+            if inf.done.is_set():
+                inf.settled.wait(ABANDON_CLOSE_WAIT_S)
+        if self._abandoned:
+            try:
+                self._book_abandoned()  # extends a booking made at the end of the run
+            except Exception as e:  # noqa: BLE001 - the state store itself may be failing
+                self._safe_event("warning", f"could not book an abandoned launch: {describe_error(e)}", {})
         if any(i is not None and not i.done.is_set() for i in [self.inflight, *self._abandoned]):
             return
         for p in list(self._providers.values()):
@@ -502,26 +565,78 @@ class Controller:
 
     # ---- money -----------------------------------------------------------------------------------
     def _book_spend(self, now: float) -> None:
+        self._book_abandoned()
         for row in self.store.open_spend_rows(self.name):
             self.store.book_spend(self.name, row["attempt"], now)
 
+    def _unbooked_launches(self) -> list[LaunchInFlight]:
+        """The launch in flight and abandoned ones not booked yet, none of whose instances was
+        recorded as a node (those bill through their spend row)."""
+        return [i for i in [self.inflight, *self._abandoned] if i is not None and not i.adopted and not i.booked]
+
     def burn_per_hour(self) -> float:
-        """USD/h billing now: open spend rows, plus a launch in flight (billed from its request)."""
+        """USD/h billing now: open spend rows, plus a launch in flight or abandoned and still at
+        work (billed from its request)."""
         burn = sum(r["price_per_hour"] for r in self.store.open_spend_rows(self.name))
-        inf = self.inflight
-        if inf is not None and not inf.adopted:
-            burn += inf.price_per_hour
+        for inf in self._unbooked_launches():
+            if inf is self.inflight or not inf.settled.is_set():
+                burn += inf.price_per_hour
         return burn
 
     def spent(self, now: float | None = None) -> float:
-        """USD booked, plus what a launch still in flight has cost since its request (its instance
-        may already exist and bill; its spend row opens only once it is recorded)."""
+        """USD booked, plus what a launch still in flight (or abandoned, not booked yet) has cost
+        since its request (its instance may already exist and bill; its spend row opens only once
+        it is recorded or settled)."""
         total = self.store.spend_total(self.name)
-        inf = self.inflight
-        if inf is not None and not inf.adopted:
-            t = self.now() if now is None else now
-            total += inf.price_per_hour * max(0.0, t - inf.t0) / 3600.0
+        t = self.now() if now is None else now
+        for inf in self._unbooked_launches():
+            end = inf.ended_at if inf.ended_at is not None and inf is not self.inflight else t
+            total += inf.price_per_hour * max(0.0, min(end, t) - inf.t0) / 3600.0
         return total
+
+    def _book_abandoned(self, final: bool = False) -> None:
+        """Book each abandoned launch that created nothing the controller recorded: from its
+        request to when it settled (it raised, or what it returned late was terminated), at the
+        offer's price — the providers bill an instance from its creation (PROVIDERS.md: RunPod,
+        Vast and Modal per second, Lambda per minute), and dtrun cannot tell whether, or when, a
+        launch it stopped waiting for created one, so it books the whole launch: an upper bound,
+        like the guard's view of a launch in flight. ``final`` (the run ends) books one still in
+        the provider's SDK up to now; should it settle later (``_close_providers`` waits for a
+        late terminate), the booking is extended to then. What it created and nobody terminated
+        is found, terminated and booked by the orphan sweep."""
+        for inf in self._abandoned:
+            if inf.adopted:
+                continue
+            settled = inf.settled.is_set()
+            if inf.booked:
+                if settled and inf.ended_at is not None and inf.ended_at > (inf.booked_until or 0.0):
+                    self.store.book_spend(self.name, inf.n, inf.ended_at, close=True, reopen=True)
+                    inf.booked_until = inf.ended_at
+                continue
+            if not settled and not final:
+                continue
+            until = inf.ended_at if settled and inf.ended_at is not None else self.now()
+            until = max(until, inf.t0)
+            if any(r["attempt"] == inf.n for r in self.store.spend_by_attempt(self.name)):
+                # The orphan sweep found what the launch created and booked it (created → gone).
+                inf.booked, inf.booked_until = True, until
+                continue
+            self.store.open_spend(self.name, inf.n, inf.price_per_hour, inf.t0)
+            usd = self.store.book_spend(self.name, inf.n, until, close=True)
+            inf.booked, inf.booked_until = True, until
+            if not settled:
+                what = "its launch has still not returned: booked up to the end of the run"
+            elif inf.terminated:
+                what = "what it returned late was terminated (confirmed)"
+            elif inf.handle is not None:
+                what = f"the late terminate was not confirmed ({inf.cleanup_error}); the orphan sweep takes over"
+            else:
+                what = "its launch raised" + (f" ({describe_error(inf.error)})" if inf.error else "")
+            self.event("spend", f"attempt {inf.n}: abandoned launch booked from its request: "
+                                f"{until - inf.t0:.0f} s × ${inf.price_per_hour:.4f}/h = ${usd:.4f} "
+                                f"(provisioning, an upper bound: the provider bills an instance from its "
+                                f"creation, and dtrun cannot tell whether the launch created one); {what}",
+                       {"attempt": inf.n, "seconds": until - inf.t0, "usd": usd})
 
     def _renew_lease(self, now: float) -> None:
         if not self.write_lease:
@@ -597,7 +712,8 @@ class Controller:
         req = self._launch_request(n, offer, log_path, spent, job["deadline"], node_env, node_secrets)
         # The launch runs in a worker thread (provisioning takes minutes on a real cloud): the
         # loop keeps ticking meanwhile (guard, deadline, STOP, `dtrun down`).
-        self.inflight = LaunchInFlight(self.provider(offer.provider), req, price, now).start()
+        self.inflight = LaunchInFlight(self.provider(offer.provider), req, price, now,
+                                       clock=self.clock.now).start()
         self.inflight.done.wait(self.launch_wait)
         if self.inflight.done.is_set():
             self._launch_finished()
@@ -990,7 +1106,7 @@ class Controller:
     def _terminate_nodes(self) -> bool:
         """Terminate every live node of the job; True once all are confirmed gone (a launch still
         in flight is cancelled first: see :meth:`_cancel_in_flight`)."""
-        all_gone = self._cancel_in_flight()
+        all_gone = self._cancel_in_flight() and not self._late_terminates_pending()
         for nd in self.store.nodes(self.name, live_only=True):
             now = self.now()
             if nd["terminate_requested"] is None:
@@ -1053,15 +1169,21 @@ class Controller:
         if now - inf.cancelled_at >= self.stop_grace:
             self.inflight = None
             self._abandoned.append(inf)
-            inf.abandon()
+            inf.abandon(now)  # a late terminate runs on the launch's worker or a cleanup thread
             self._sweep_due = True
             self.event("warning", f"attempt {inf.n}: the cancelled launch has not returned after "
                                   f"{now - inf.cancelled_at:.0f} s; no longer waiting (what it returns is "
-                                  f"terminated by its worker; the orphan sweep runs)")
+                                  f"terminated off the loop; the orphan sweep runs)")
             if not inf.adopted:
-                self._end_attempt(inf.n, "cancelled", "cancelled while launching")
+                self._end_attempt(inf.n, "abandoned", "cancelled while launching; the launch was abandoned "
+                                  "(its provisioning is booked from the request: an upper bound)")
             return True
         return False
+
+    def _late_terminates_pending(self) -> bool:
+        """An abandoned launch returned an instance whose terminate (off the loop) is still being
+        retried: the job is not recorded finished before it is confirmed or given up on."""
+        return any(i.terminating for i in self._abandoned)
 
     def _adopt(self, inf: LaunchInFlight, handle: Handle) -> None:
         """Record an instance of the launch in flight as its attempt's node (billed from the
@@ -1130,6 +1252,7 @@ class Controller:
                             stop_started=self.now(), stop_now=1)
             return
         self._sweep_if_due()
+        self._book_abandoned(final=True)
         now = self.now()
         att = self.current_attempt()
         if att and att["state"] != "ENDED":

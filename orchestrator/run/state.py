@@ -471,12 +471,16 @@ class StateStore:
             c.execute("INSERT OR IGNORE INTO spend (job, attempt, price_per_hour, billed_from, billed_until) "
                       "VALUES (?,?,?,?,?)", (job, attempt, price_per_hour, t, t))
 
-    def book_spend(self, job: str, attempt: int, until: float, close: bool = False) -> float:
-        """Book the attempt's spend up to ``until``; returns the USD added. ``close`` stops billing."""
+    def book_spend(self, job: str, attempt: int, until: float, close: bool = False,
+                   reopen: bool = False) -> float:
+        """Book the attempt's spend up to ``until``; returns the USD added. ``close`` stops billing.
+        A closed row books nothing more unless ``reopen`` (an instance of the attempt turned out to
+        bill past the row's end — an abandoned launch's late instance, an orphan the sweep found):
+        then it books on from where it ended."""
         with self._write() as c:
             row = c.execute("SELECT price_per_hour, billed_until, closed FROM spend WHERE job=? AND attempt=?",
                             (job, attempt)).fetchone()
-            if row is None or row["closed"]:
+            if row is None or (row["closed"] and not reopen):
                 return 0.0
             dt = max(0.0, until - row["billed_until"])
             usd = row["price_per_hour"] * dt / 3600.0

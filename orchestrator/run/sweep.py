@@ -211,7 +211,8 @@ def _attempt_of(name: str) -> int | None:
 def _book_orphan(store: StateStore, o: Orphan, t: float) -> None:
     """An orphan of a known attempt was billing the job: book it (created → confirmed gone) at
     the attempt's price, so `dtrun cost` and the budget guard count it. A spend row the
-    controller already opened just continues from where it was booked."""
+    controller already opened just continues from where it was booked — also one it closed (an
+    abandoned launch booked up to the end of its run, whose instance outlived it)."""
     n = _attempt_of(o.instance.name)
     att = store.get_attempt(o.job, n) if (o.job and n is not None) else None
     if not att:
@@ -225,7 +226,7 @@ def _book_orphan(store: StateStore, o: Orphan, t: float) -> None:
             return
     start = o.instance.created_at if o.instance.created_at is not None else t
     store.open_spend(o.job, n, float(price), min(start, t))
-    store.book_spend(o.job, n, t, close=True)
+    store.book_spend(o.job, n, t, close=True, reopen=True)
 
 
 def sweep_orphans(store: StateStore, provider_names: Iterable[str | Provider], dry_run: bool = False, *,

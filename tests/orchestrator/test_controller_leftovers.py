@@ -75,3 +75,222 @@ def test_unrecorded_attempts_are_not_counted_but_failures_still_are():
     atts = [{"outcome": "unrecorded"}, {"outcome": "preempted"}, {"outcome": "launch_error"},
             {"outcome": "failed"}, {"outcome": None}]
     assert counted_attempts(atts) == 2
+
+
+# ---- 2. an abandoned launch is booked ---------------------------------------------------------------
+
+PRICE = 60.0  # USD per GPU-hour: $1 a minute
+
+
+def _spec(tmp_path):
+    from test_controller_launch_thread import _spec as slow_spec
+
+    return slow_spec(tmp_path, budget={"max_usd": 1000.0})
+
+
+class NeverReturnsInTimeCloud(FakeProvider):
+    """A launch stuck in the provider's SDK (SkyPilot's request queue, Modal waiting for capacity)
+    that has created nothing findable when the controller gives up on it, and raises later."""
+
+    def __init__(self, clock, **kw) -> None:
+        super().__init__(clock=clock, **kw)
+        self.release = threading.Event()
+        self.running = threading.Event()
+
+    def launch(self, request):
+        self.running.set()
+        self.release.wait(30.0)
+        raise perr.Transient("gave up waiting for capacity", provider="fake")
+
+
+def test_an_abandoned_launch_is_booked_from_its_request(tmp_path):
+    from orchestrator.cli.money import job_cost
+    from providers.fake import FakeOfferTemplate
+
+    clock = VirtualClock()
+    cloud = NeverReturnsInTimeCloud(clock, offers=[FakeOfferTemplate("fake-east", "H100", False, PRICE)],
+                                    provision_seconds=60, autodown_seconds=None, terminate_seconds=0)
+    store = StateStore(tmp_path / "state.db")
+    c = Controller(_spec(tmp_path), store, clock=clock, providers={"fake": cloud}, launch_wait_seconds=0.05,
+                   write_lease=False)
+    t0 = clock.now()
+    burn: list[float] = []
+
+    def on_tick(ctl):
+        assert cloud.running.wait(10.0)
+        burn.append(ctl.spent())
+        if len(burn) == 2:
+            store.request_action("slowlaunch", "stop")
+
+    try:
+        assert c.run(on_tick=on_tick) == "CANCELLED"
+    finally:
+        cloud.release.set()
+    job = store.get_job("slowlaunch")
+    booked = store.spend_total("slowlaunch")
+    # From the launch request to the end of the run, at the offer's price ($1/min): the guard's
+    # view while it was in flight does not drop when the controller stops waiting for it.
+    assert booked == pytest.approx((job["finished_at"] - t0) / 60.0, abs=1e-6)
+    assert booked >= max(burn) > 0
+    att = store.attempts("slowlaunch")[0]
+    assert att["outcome"] == "abandoned"
+    cost = job_cost(store, job)
+    assert cost["cost_usd"] == pytest.approx(booked, abs=1e-5)
+    assert cost["attempts"][0]["outcome"] == "abandoned" and not cost["attempts"][0]["billing"]
+    assert any(e["type"] == "spend" and "upper bound" in e["message"] for e in store.events("slowlaunch"))
+    assert cloud.running_instances() == []
+
+
+# ---- 3. the late terminate runs off the loop -------------------------------------------------------
+
+class LateReturnCloud(FakeProvider):
+    """A launch that creates its instance during the controller's last listing before it abandons
+    the launch (so the listing misses it: the race that left ``abandon`` to terminate on the loop
+    thread), and a
+    terminate that fails ``fails`` times, each call blocked until ``gate`` opens — a provider API
+    rate-limiting the late terminate."""
+
+    def __init__(self, clock, fails: int = 3, **kw) -> None:
+        super().__init__(clock=clock, **kw)
+        self.release = threading.Event()
+        self.returned = threading.Event()
+        self.running = threading.Event()
+        self.gate = threading.Event()
+        self.fails = fails
+        self.terminate_threads: list[str] = []
+        self.terminate_waiting = threading.Event()
+        self.first_list: float | None = None
+        self.abandon_after = float("inf")  # the controller's stop grace: the tick that abandons
+
+    def launch(self, request):
+        self.running.set()
+        self.release.wait(30.0)
+        try:
+            return super().launch(request)
+        finally:
+            self.returned.set()
+
+    def list_owned(self, prefix=None):
+        owned = super().list_owned(prefix) if prefix is not None else super().list_owned()
+        now = self.clock()
+        if self.running.is_set() and self.first_list is None:
+            self.first_list = now  # the controller's first listing after the cancel
+        if (self.first_list is not None and not self.release.is_set()
+                and now - self.first_list >= self.abandon_after):
+            self.release.set()  # the launch returns right after the listing was taken
+            assert self.returned.wait(10.0)
+        return owned
+
+    def terminate(self, handle):
+        self.terminate_threads.append(threading.current_thread().name)
+        if self.fails > 0:
+            self.fails -= 1
+            self.terminate_waiting.set()
+            self.gate.wait(2.0)
+            raise perr.Transient("429 Too Many Requests", provider="fake")
+        return super().terminate(handle)
+
+
+def test_the_late_terminate_runs_off_the_loop_and_the_loop_keeps_ticking(tmp_path):
+    from providers.fake import FakeOfferTemplate
+
+    clock = VirtualClock()
+    cloud = LateReturnCloud(clock, offers=[FakeOfferTemplate("fake-east", "H100", False, PRICE)],
+                            provision_seconds=60, autodown_seconds=None, terminate_seconds=0)
+    store = StateStore(tmp_path / "state.db")
+    c = Controller(_spec(tmp_path), store, clock=clock, providers={"fake": cloud}, launch_wait_seconds=0.05,
+                   write_lease=False)
+    cloud.abandon_after = c.stop_grace
+    loop = threading.current_thread().name
+    ticks_while_terminating = []
+
+    def on_tick(ctl):
+        assert cloud.running.wait(10.0)
+        if ctl.state != "STOPPING":
+            store.request_action("slowlaunch", "stop")
+        if cloud.terminate_waiting.is_set() and not cloud.gate.is_set():
+            ticks_while_terminating.append(clock.now())
+            if len(ticks_while_terminating) >= 3:
+                cloud.gate.set()
+
+    try:
+        assert c.run(on_tick=on_tick) == "CANCELLED"
+    finally:
+        cloud.release.set()
+        cloud.gate.set()
+    assert cloud.terminate_threads and loop not in cloud.terminate_threads, cloud.terminate_threads
+    assert len(ticks_while_terminating) >= 3  # the loop ticked while the terminate was retried
+    # Nothing left billing, and the job was not recorded finished before the terminate confirmed.
+    assert cloud.running_instances() == []
+    bill = cloud.bill()
+    (row,) = bill["rows"]
+    job = store.get_job("slowlaunch")
+    assert job["finished_at"] >= row["end"]
+    # Booked from the launch request to the confirmed terminate: the bill (from creation), plus at
+    # most the time the launch ran before it created the instance.
+    booked = store.spend_total("slowlaunch")
+    t0 = store.attempts("slowlaunch")[0]["created"]
+    assert row["start"] > t0
+    assert booked == pytest.approx(bill["total_usd"] + PRICE * (row["start"] - t0) / 3600, abs=1e-6)
+    assert store.attempts("slowlaunch")[0]["outcome"] == "abandoned"
+
+
+class ReturnsAfterTheRunCloud(FakeProvider):
+    """A launch still in the SDK when the run ends, which returns (creating its instance) just
+    after; a slow terminate API; ``close`` records whether anything still billed then."""
+
+    def __init__(self, clock, **kw) -> None:
+        super().__init__(clock=clock, **kw)
+        self.release = threading.Event()
+        self.running = threading.Event()
+        self.returned = threading.Event()
+        self.live_at_close: list[int] = []
+
+    def launch(self, request):
+        self.running.set()
+        self.release.wait(30.0)
+        try:
+            return super().launch(request)
+        finally:
+            self.returned.set()
+
+    def terminate(self, handle):
+        threading.Event().wait(0.5)  # a slow API call
+        return super().terminate(handle)
+
+    def close(self) -> None:
+        self.live_at_close.append(len(self.running_instances()))
+
+
+def test_close_waits_for_the_late_terminate_and_the_booking_covers_it(tmp_path):
+    from providers.fake import FakeOfferTemplate
+
+    clock = VirtualClock()
+    cloud = ReturnsAfterTheRunCloud(clock, offers=[FakeOfferTemplate("fake-east", "H100", False, PRICE)],
+                                    provision_seconds=60, autodown_seconds=None, terminate_seconds=0)
+    store = StateStore(tmp_path / "state.db")
+
+    def on_event(type_, message):
+        if type_ == "state" and message.startswith("CANCELLED"):
+            clock.advance(600)  # the stuck launch returns ten minutes after the run ended
+            cloud.release.set()
+            assert cloud.returned.wait(10.0)
+
+    c = Controller(_spec(tmp_path), store, clock=clock, providers={"fake": cloud}, launch_wait_seconds=0.05,
+                   write_lease=False, on_event=on_event)
+
+    def on_tick(_c):
+        assert cloud.running.wait(10.0)
+        store.request_action("slowlaunch", "stop")
+
+    try:
+        assert c.run(on_tick=on_tick) == "CANCELLED"
+    finally:
+        cloud.release.set()
+    assert cloud.live_at_close == [0], "the providers were closed while the late instance still billed"
+    assert cloud.running_instances() == []
+    bill = cloud.bill()
+    (row,) = bill["rows"]
+    t0 = store.attempts("slowlaunch")[0]["created"]
+    # booked from the launch request to the confirmed terminate (extended past the run's end)
+    assert store.spend_total("slowlaunch") == pytest.approx(PRICE * (row["end"] - t0) / 3600, abs=1e-6)
