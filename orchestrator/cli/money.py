@@ -70,6 +70,14 @@ def _gc(store: StateStore, names: list[str], yes: bool, json_out: bool) -> int:
 
 # ---- dtrun cost -----------------------------------------------------------------------------------
 
+OUTCOME_NOTES = {
+    "abandoned": "launch abandoned while provisioning: booked from its request at the offer's price "
+                 "(an upper bound: the provider bills an instance only from its creation)",
+    "unrecorded": "the controller died while launching: what the launch created is booked by the "
+                  "orphan sweep that terminated it",
+}
+"""What a row's booking means, for outcomes whose booking is not a recorded node's lifetime."""
+
 def job_cost(store: StateStore, job: dict) -> dict[str, Any]:
     """Spend per attempt (booked by the controller: price actually rented × seconds, provisioning
     included) beside the plan's estimate."""
@@ -85,7 +93,7 @@ def job_cost(store: StateStore, job: dict) -> dict[str, Any]:
                       + ("/spot" if offer.get("spot") else "")) if offer else None,
             "price_per_hour": s["price_per_hour"], "seconds": round(s["seconds"], 3), "usd": round(s["usd"], 6),
             "billing": not s["closed"], "booked_until": s["billed_until"],
-            "outcome": a.get("outcome"), "reason": a.get("reason"),
+            "outcome": a.get("outcome"), "reason": a.get("reason"), "note": OUTCOME_NOTES.get(a.get("outcome")),
             "start_step": a.get("start_step"), "end_step": a.get("end_step"),
         })
     total = sum(r["usd"] for r in rows)
@@ -136,6 +144,8 @@ def cmd_cost(job: str | None, json_out: bool) -> int:
             typer.echo(f"  attempt {a['attempt']:>3}  {a['offer'] or a['provider'] or '?':36} "
                        f"${a['price_per_hour']:.4f}/h × {a['seconds'] / 3600:.3f} h = ${a['usd']:.4f}"
                        f"  {a['outcome'] or ('billing' if a['billing'] else '')}{steps}")
+            if a.get("note"):
+                typer.echo(f"               ({a['note']})")
     if job is None and len(reports) > 1:
         typer.echo(f"total: ${sum(r['cost_usd'] for r in reports):.4f}")
     return EXIT_OK

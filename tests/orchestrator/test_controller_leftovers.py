@@ -137,6 +137,7 @@ def test_an_abandoned_launch_is_booked_from_its_request(tmp_path):
     cost = job_cost(store, job)
     assert cost["cost_usd"] == pytest.approx(booked, abs=1e-5)
     assert cost["attempts"][0]["outcome"] == "abandoned" and not cost["attempts"][0]["billing"]
+    assert "upper bound" in cost["attempts"][0]["note"]  # `dtrun cost` says what the booking is
     assert any(e["type"] == "spend" and "upper bound" in e["message"] for e in store.events("slowlaunch"))
     assert cloud.running_instances() == []
 
