@@ -18,6 +18,10 @@ minutes on a real cloud and the loop keeps ticking meanwhile — the budget guar
 billed from its launch request on), the deadline, ``recovery.max_recovery_minutes``, STOP and
 ``dtrun down`` all act. Cancelling an in-flight launch terminates what it created (found by the
 attempt's deterministic instance name through ``provider.list_owned``), confirmed like any node.
+A launch that does not return within the stop grace is abandoned: what it returns later is
+terminated off the loop (the job is recorded finished, and the providers closed, only once that
+is confirmed or given up to the orphan sweep), and, if nothing of it was recorded as a node, its
+time from the request is booked at the offer's price (an upper bound: see ``_book_abandoned``).
 
 A node is recorded terminated only when ``provider.terminate`` returns (the provider confirmed
 it gone); ``TerminateNotConfirmed`` and ``Transient`` are retried every tick until it does.
@@ -211,9 +215,12 @@ class LaunchInFlight:
                     self.terminated = True
                     self.cleanup_error = None
                     return
-                except perr.ProviderError as e:
+                except perr.ProviderError as e:  # TerminateNotConfirmed, Transient, …: retried
                     self.cleanup_error = f"{type(e).__name__}: {e}"
                     _time.sleep(min(ABANDON_RETRY_CAP_S, 0.1 * 2 ** i))
+                except Exception as e:  # noqa: BLE001 - a provider bug: not retried, the sweep takes over
+                    self.cleanup_error = describe_error(e)
+                    return
         finally:
             with self._lock:
                 self.ended_at = self._now()
@@ -579,7 +586,7 @@ class Controller:
         work (billed from its request)."""
         burn = sum(r["price_per_hour"] for r in self.store.open_spend_rows(self.name))
         for inf in self._unbooked_launches():
-            if inf is self.inflight or not inf.settled.is_set():
+            if inf is self.inflight or inf.pending():
                 burn += inf.price_per_hour
         return burn
 
