@@ -489,7 +489,9 @@ class Controller:
                 inf.settled.wait(ABANDON_CLOSE_WAIT_S)
         if self._abandoned:
             try:
-                self._book_abandoned()  # extends a booking made at the end of the run
+                # books one still in the SDK up to now (the process is about to end: INTERRUPTED,
+                # given up), or extends a booking made at the end of the run to its late terminate
+                self._book_abandoned(final=True)
             except Exception as e:  # noqa: BLE001 - the state store itself may be failing
                 self._safe_event("warning", f"could not book an abandoned launch: {describe_error(e)}", {})
         if any(i is not None and not i.done.is_set() for i in [self.inflight, *self._abandoned]):
