@@ -71,6 +71,48 @@ def test_a_controller_killed_mid_launch_does_not_use_up_max_attempts(tmp_path):
     assert running(cloud) == []
 
 
+class CreatesThenHangsCloud(FakeProvider):
+    """A launch that creates its instance (billing from then on) and then blocks in the SDK."""
+
+    def __init__(self, clock, **kw) -> None:
+        super().__init__(clock=clock, **kw)
+        self.release = threading.Event()
+        self.created = threading.Event()
+        self.hang = 1
+
+    def launch(self, request):
+        handle = super().launch(request)
+        if self.hang > 0:
+            self.hang -= 1
+            self.created.set()
+            self.release.wait(30.0)
+        return handle
+
+
+def test_what_a_killed_controllers_launch_created_is_swept_and_booked_not_counted(tmp_path):
+    clock = VirtualClock()
+    sim = SimTrainer(steps=300, step_s=10.0, every=100)
+    cloud = CreatesThenHangsCloud(clock, offers=OFFERS, provision_seconds=60, autodown_seconds=None, workload=sim)
+    store = StateStore(tmp_path / "state.db")
+    spec = make_spec(tmp_path, recovery={"max_attempts": 1})
+    try:
+        c = Controller(spec, store, clock=clock, providers={"fake": cloud}, launch_wait_seconds=0.01,
+                       write_lease=False)
+        assert c.tick() == "PROVISIONING"
+        assert cloud.created.wait(10.0)
+        clock.advance(300)  # the controller dies; its instance bills for five minutes unrecorded
+        c = Controller(spec, store, clock=clock, providers={"fake": cloud}, write_lease=False)
+        assert c.run() == "SUCCEEDED", store.get_job("fakejob")["reason"]
+    finally:
+        cloud.release.set()
+    atts = store.attempts("fakejob")
+    assert [a["outcome"] for a in atts] == ["unrecorded", "succeeded"]
+    assert running(cloud) == []
+    # the orphan sweep of the second start terminated the first launch's instance and booked it
+    assert store.spend_total("fakejob") == pytest.approx(cloud.bill()["total_usd"], abs=0.01)
+    assert [r["attempt"] for r in store.spend_by_attempt("fakejob")] == [1, 2]
+
+
 def test_unrecorded_attempts_are_not_counted_but_failures_still_are():
     atts = [{"outcome": "unrecorded"}, {"outcome": "preempted"}, {"outcome": "launch_error"},
             {"outcome": "failed"}, {"outcome": None}]
