@@ -494,8 +494,21 @@ class Controller:
                 self._book_abandoned(final=True)
             except Exception as e:  # noqa: BLE001 - the state store itself may be failing
                 self._safe_event("warning", f"could not book an abandoned launch: {describe_error(e)}", {})
-        if any(i is not None and not i.done.is_set() for i in [self.inflight, *self._abandoned]):
-            return
+        # What an abandoned launch returned and nobody terminated: the late terminate gave up, or
+        # is still being retried after the wait above.
+        loose = [i for i in self._abandoned if i.handle is not None and not i.terminated
+                 and i.handle.instance_id not in i.adopted]
+        if any(i.settled.is_set() for i in loose) and self.state in TERMINAL_STATES:
+            try:  # the job is over: its leftovers are orphans now; the sweep terminates and books them
+                self._sweep_orphans()
+            except Exception as e:  # noqa: BLE001 - the state store itself may be failing
+                self._safe_event("warning", f"orphan sweep failed: {describe_error(e)}; run `dtrun gc`", {})
+        for inf in loose:
+            if not inf.settled.is_set():
+                self._safe_event("warning", f"{inf.handle.name}: its terminate is still being retried as the "
+                                 "controller exits; it may still be billing: run `dtrun gc`", {})
+        if any(i is not None and (not i.done.is_set() or i.pending()) for i in [self.inflight, *self._abandoned]):
+            return  # a call still inside a provider's SDK keeps its provider (e.g. SkyPilot's API server) up
         for p in list(self._providers.values()):
             try:
                 p.close()
@@ -626,7 +639,7 @@ class Controller:
                 continue
             until = inf.ended_at if settled and inf.ended_at is not None else self.now()
             until = max(until, inf.t0)
-            if any(r["attempt"] == inf.n for r in self.store.spend_by_attempt(self.name)):
+            if any(r["attempt"] == inf.n and r["closed"] for r in self.store.spend_by_attempt(self.name)):
                 # The orphan sweep found what the launch created and booked it (created → gone).
                 inf.booked, inf.booked_until = True, until
                 continue

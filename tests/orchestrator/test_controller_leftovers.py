@@ -337,3 +337,75 @@ def test_close_waits_for_the_late_terminate_and_the_booking_covers_it(tmp_path):
     t0 = store.attempts("slowlaunch")[0]["created"]
     # booked from the launch request to the confirmed terminate (extended past the run's end)
     assert store.spend_total("slowlaunch") == pytest.approx(PRICE * (row["end"] - t0) / 3600, abs=1e-6)
+
+
+class LateTerminateTroubleCloud(ReturnsAfterTheRunCloud):
+    """As above, but the late terminate's first ``fail`` calls are not confirmed (then it works),
+    or each terminate call takes ``slow`` real seconds."""
+
+    def __init__(self, clock, fail: int = 0, slow: float = 0.0, **kw) -> None:
+        super().__init__(clock=clock, **kw)
+        self.fail, self.slow = fail, slow
+
+    def terminate(self, handle):
+        if self.slow:
+            threading.Event().wait(self.slow)
+        if self.fail > 0:
+            self.fail -= 1
+            raise perr.TerminateNotConfirmed("still shutting down", provider="fake")
+        return super(ReturnsAfterTheRunCloud, self).terminate(handle)
+
+
+def _late_run(tmp_path, cloud, clock):
+    store = StateStore(tmp_path / "state.db")
+    events: list[tuple[str, str]] = []
+
+    def on_event(type_, message):
+        events.append((type_, message))
+        if type_ == "state" and message.startswith("CANCELLED"):
+            clock.advance(600)
+            cloud.release.set()
+            assert cloud.returned.wait(10.0)
+
+    c = Controller(_spec(tmp_path), store, clock=clock, providers={"fake": cloud}, launch_wait_seconds=0.05,
+                   write_lease=False, on_event=on_event)
+
+    def on_tick(_c):
+        assert cloud.running.wait(10.0)
+        store.request_action("slowlaunch", "stop")
+
+    try:
+        assert c.run(on_tick=on_tick) == "CANCELLED"
+    finally:
+        cloud.release.set()
+    return store, events
+
+
+def test_a_late_terminate_that_gives_up_after_the_run_is_swept_not_left_billing(tmp_path, monkeypatch):
+    # Review finding: the launch returned after the run was recorded CANCELLED and its late
+    # terminate gave up: the orphan sweep had already run (in _finish), so the instance kept
+    # billing with no warning.
+    from providers.fake import FakeOfferTemplate
+
+    monkeypatch.setattr(ctl, "ABANDON_TERMINATE_TRIES", 2)
+    clock = VirtualClock()
+    cloud = LateTerminateTroubleCloud(clock, fail=2, offers=[FakeOfferTemplate("fake-east", "H100", False, PRICE)],
+                                      provision_seconds=60, autodown_seconds=None, terminate_seconds=0)
+    store, events = _late_run(tmp_path, cloud, clock)
+    assert cloud.running_instances() == [], events[-5:]
+    assert any(t == "orphan" for t, _ in events), events[-5:]
+    assert store.spend_total("slowlaunch") > 0
+
+
+def test_providers_stay_open_while_a_late_terminate_is_still_retried(tmp_path, monkeypatch):
+    # Review finding: after the bounded wait the providers were closed (SkyPilot: its API server
+    # stopped) under a terminate still in flight, with no word to the user.
+    from providers.fake import FakeOfferTemplate
+
+    monkeypatch.setattr(ctl, "ABANDON_CLOSE_WAIT_S", 0.2)
+    clock = VirtualClock()
+    cloud = LateTerminateTroubleCloud(clock, slow=1.5, offers=[FakeOfferTemplate("fake-east", "H100", False, PRICE)],
+                                      provision_seconds=60, autodown_seconds=None, terminate_seconds=0)
+    store, events = _late_run(tmp_path, cloud, clock)
+    assert cloud.live_at_close == [], "closed under a terminate in flight"
+    assert any(t == "warning" and "dtrun gc" in m for t, m in events), events[-5:]
