@@ -160,7 +160,9 @@ class Experts(nn.Module):
         if t is None:
             return None
         t = t.to_local() if hasattr(t, "to_local") else t
-        # Expert-parallel weights are outside FSDP's mixed precision: compute in the input's dtype.
+        # Under FSDP (expert parallel included: the experts are their own FSDP unit on the expert
+        # mesh) the weights arrive in the compute dtype from the all-gather, no cast here. Only a
+        # run without FSDP under autocast (one GPU, TP only) gets fp32 weights and bf16 tokens.
         return t if t.dtype == dtype else t.to(dtype)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -241,6 +243,8 @@ class MoE(nn.Module):
         else:
             self.aux_loss = None
         counts = counts_f.to(torch.int64)
+        # Expert parallel: start the count exchange now; it runs while the tokens are sorted.
+        pending = self._ep_counts_start(counts) if self.ep_group is not None else None
 
         order = torch.argsort(flat_e, stable=True)  # assignments grouped by expert, token order kept
         sorted_e = flat_e[order]
@@ -254,28 +258,47 @@ class MoE(nn.Module):
         if self.ep_group is None:
             ys = self.experts(xs, counts, sorted_e)
         else:
-            ys = self._ep_forward(xs, counts)
+            ys = self._ep_forward(xs, counts, pending)
 
         inv = torch.empty_like(order).index_put_((order,), torch.arange(N * k, device=x.device))
         y = (ys[inv].view(N, k, d) * gates.view(N, k, 1).to(ys.dtype)).sum(1)
         return y.view(B, T, d)
 
-    def _ep_forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _ep_counts_start(self, counts: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Launch the exchange of per-expert token counts (``recv[r·el + e]``: tokens rank ``r``
+        sends to my local expert ``e``) without waiting for it.
+
+        Why the host still has to see the counts once per layer: ``all_to_all_single`` (c10d and
+        the functional/autograd variant alike) takes its split sizes as host integers — NCCL's
+        all-to-all is launched with per-peer byte counts, and the receive buffer must be sized
+        before the launch. torch's only device-split all-to-all
+        (``torch.ops.symm_mem.all_to_all_vdev``) needs NVSHMEM symmetric-memory buffers sized for
+        the worst case, CUDA only — not usable here, and not tested on CPU. So the honest version:
+        the exchange is issued asynchronously as soon as the counts exist, overlaps the token sort
+        and gather, and is waited for (with one device→host read for both directions' splits)
+        only when the token all-to-all needs its split sizes."""
         import torch.distributed as dist
+
+        recv = torch.empty_like(counts)
+        work = dist.all_to_all_single(recv, counts, group=self.ep_group, async_op=True)
+        return recv, work
+
+    def _ep_forward(self, xs: torch.Tensor, counts: torch.Tensor,
+                    pending: tuple[torch.Tensor, Any] | None = None) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         ep, E = self.ep_size, self.n_experts
         el = E // ep
-        # How many tokens each source rank sends to each of my local experts.
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=self.ep_group)
-        send_splits = counts.view(ep, el).sum(1).tolist()
+        recv, work = pending if pending is not None else self._ep_counts_start(counts)
+        work.wait()
         recv_2d = recv.view(ep, el)
-        recv_splits = recv_2d.sum(1).tolist()
+        # One host read for both split lists: [sent to rank r] + [received from rank r].
+        splits = torch.cat([counts.view(ep, el).sum(1), recv_2d.sum(1)]).tolist()
+        send_splits, recv_splits = splits[:ep], splits[ep:]
         xr = all_to_all_single_autograd(xs, recv_splits, send_splits, self.ep_group)
         # Arrived grouped by (source rank, local expert): regroup by local expert.
         seg_expert = torch.arange(el, device=xs.device).repeat(ep)
-        tok_expert = torch.repeat_interleave(seg_expert, recv_2d.reshape(-1))
+        tok_expert = torch.repeat_interleave(seg_expert, recv_2d.reshape(-1), output_size=xr.shape[0])
         perm = torch.argsort(tok_expert, stable=True)
         ys = self.experts(xr[perm], recv_2d.sum(0))
         back = torch.empty_like(ys)

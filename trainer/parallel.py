@@ -9,8 +9,11 @@
   head-sharded DTensor so its gradient sums over heads; embedding/head only when untied), then
   activation checkpointing, then torch.compile (GPU only), then FSDP2 ``fully_shard`` per block
   and on the root (bf16 params / fp32 reduce on GPU, fp32 on CPU). MoE experts become DTensors
-  ``[Replicate(), Shard(0)]`` on the expert mesh (so DCP saves every expert); FSDP ignores them
-  and ``finish_expert_grads`` averages their gradients (all-reduce over ``dp_rep``, ÷ dp).
+  ``[Replicate(), Shard(0)]`` on the expert mesh (so DCP saves every expert), then each MoE's
+  experts module gets its own ``fully_shard`` on the expert mesh's ``dp_rep`` dimension (the
+  ranks holding the same experts; torchtitan's ``dp_shard_mod_ep``/``efsdp``): the weights arrive
+  in the compute dtype from FSDP's all-gather and their gradients are reduce-scattered during
+  backward, divided by dp like every other gradient (:func:`_shard_experts`).
   Restrictions (clear errors): ep > 1 needs tp = 1; ``replicate`` needs ep = 1.
 * ``clip_grad_norm_``: global L2 norm over DTensor grads on several meshes.
 * ``sharded_state_bytes(model, optimizer)``: for the planner (issue 7) — bytes of *this rank's*
@@ -120,12 +123,6 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     if dims.ep > 1:
         expert = init_device_mesh(device_type, (dims.dp // dims.ep, dims.ep), mesh_dim_names=("dp_rep", "ep"))
     return Meshes(dense, fsdp, tp, expert)
-
-
-def expert_params(model: nn.Module) -> list[nn.Parameter]:
-    from trainer.model import Experts
-
-    return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
 
 
 def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
@@ -258,20 +255,83 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, *, device:
             block.compile()
     if meshes.fsdp is not None:
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
-        # Expert-parallel experts live on the expert mesh (gradients: finish_expert_grads); with
-        # ep = 1 they are ordinary parameters, sharded and reduced by FSDP like the rest.
-        ignored = set(expert_params(model)) if meshes.expert is not None else set()
         blocks = list(model.layers.values())
+        experts = []
         for i, block in enumerate(blocks):
-            own = {p for p in block.parameters() if p in ignored}
             # The last block's parameters are needed again right at the start of backward: keep
             # them (torchtitan). The root keeps FSDP2's own heuristic (reshard_after_forward
             # unset: not resharded, the embedding/head are needed at once for backward).
-            fully_shard(block, mesh=meshes.fsdp, mp_policy=mp,
-                        reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
-                        ignored_params=own or None)
-        fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None)
+            raf = reshard_after_forward and i < len(blocks) - 1
+            # Expert-parallel experts: their own FSDP unit on the expert mesh, applied first so
+            # the block's unit leaves them alone; with ep = 1 they are ordinary parameters,
+            # sharded and reduced by FSDP with the rest of the block.
+            ex = _shard_experts(block, dims, meshes, mp, raf, device) if meshes.expert is not None else None
+            experts.append(ex)
+            fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=raf)
+        fully_shard(model, mesh=meshes.fsdp, mp_policy=mp)
+        if meshes.expert is not None:
+            _ep_prefetch(model, blocks, experts)
     return model
+
+
+def _shard_experts(block: nn.Module, dims: ParallelDims, meshes: Meshes, mp: Any, raf: bool,
+                   device: torch.device) -> nn.Module | None:
+    """FSDP2 on one MoE's experts over the expert mesh's ``dp_rep`` dimension (torchtitan's
+    ``efsdp`` unit). Returns the experts module, or None for a dense block.
+
+    * The parameters are already DTensors ``[Replicate(), Shard(0)]`` on ``(dp_rep, ep)``;
+      ``dp_mesh_dims`` tells FSDP to shard over ``dp_rep`` (the replicas of the same experts) and
+      keep the ``ep`` split. Sharded on dim 0 (whole experts per rank, which also keeps Muon's
+      expert-by-expert path local) unless ``dp_rep × ep`` exceeds the number of experts (some
+      ranks would hold none): then dim 1, as torchtitan does.
+    * Gradient scale: every owner receives tokens from every rank of its ep group, so its local
+      gradient is already a *sum* over ep ranks' losses; the reduce-scatter sums over ``dp_rep``
+      and must divide by the whole dp (not by ``dp_rep``, FSDP's default for this mesh) to give
+      the FSDP-averaged gradient of the mean loss — ``set_gradient_divide_factor(dp)``
+      (torchtitan: "consistent with data"). NCCL does that as PREMUL_SUM; gloo has no PREMUL_SUM,
+      so off CUDA the collective is a SUM followed by FSDP's own division.
+    * ``dp_rep == 1`` (dp == ep): a size-1 FSDP unit. Nothing is communicated; it still gives
+      the experts FSDP's mixed precision (the compute-dtype copy is made when the unit unshards,
+      the fp32 master stays, the gradient comes back in fp32) and the ÷dp, on one code path —
+      instead of a hand-kept bf16 copy that would have to be refreshed after every step.
+    """
+    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+    from torch.distributed.tensor import Shard
+
+    from trainer.model import MoE
+
+    moe = next((m for m in block.modules() if isinstance(m, MoE)), None)
+    if moe is None:
+        return None
+    ex = moe.experts
+    dp_rep = meshes.expert.size(0)
+    placement = None
+    if dp_rep * dims.ep > moe.n_experts and all(p.shape[1] % dp_rep == 0 for p in ex.parameters()):
+        placement = lambda p: Shard(1)  # noqa: E731
+    fully_shard(ex, mesh=meshes.expert, dp_mesh_dims=DataParallelMeshDims(shard="dp_rep"), mp_policy=mp,
+                reshard_after_forward=raf, shard_placement_fn=placement)
+    ex.set_gradient_divide_factor(float(dims.dp))
+    if device.type != "cuda":
+        ex.set_force_sum_reduction_for_comms(True)
+    return ex
+
+
+def _ep_prefetch(model: nn.Module, blocks: list[nn.Module], experts: list[nn.Module | None]) -> None:
+    """Explicit FSDP prefetching with EP (torchtitan): the expert-parallel forward waits on the
+    host for the token counts, which would otherwise delay issuing the experts' all-gather until
+    the tokens are already there. Each block prefetches the next block and its experts in
+    forward, the previous ones in backward."""
+    def units(i: int) -> list[nn.Module]:
+        return [blocks[i]] + ([experts[i]] if experts[i] is not None else [])
+
+    n = len(blocks)
+    model.set_modules_to_forward_prefetch(units(0))
+    for i in range(n):
+        if i + 1 < n:
+            blocks[i].set_modules_to_forward_prefetch(units(i + 1))
+        if i > 0:
+            blocks[i].set_modules_to_backward_prefetch(units(i - 1))
+    model.set_modules_to_backward_prefetch(units(n - 1))
 
 
 
@@ -294,9 +354,8 @@ def finish_expert_grads(model: nn.Module, dims: ParallelDims, meshes: Meshes) ->
 
     * Tensor parallel (sequence-parallel MoE): each TP rank ran the router and experts on its own
       sequence shard, so their gradients are partial: one all-reduce (sum) over the TP group.
-    * Expert parallel: tokens from every rank of the ep group reach the owner, so its gradient is
-      a *sum* of per-rank losses; sum over expert replicas and divide by dp to match the
-      FSDP-averaged gradient of the mean loss."""
+    * Expert parallel needs nothing here any more: the experts are their own FSDP unit on the
+      expert mesh, reduce-scattered over ``dp_rep`` (÷ dp) during backward (:func:`_shard_experts`)."""
     if meshes.tp is not None:
         from torch.distributed.tensor import DTensor
 
@@ -308,17 +367,6 @@ def finish_expert_grads(model: nn.Module, dims: ParallelDims, meshes: Meshes) ->
             flat = torch.cat([g.reshape(-1) for g in gs])
             dist.all_reduce(flat, group=meshes.tp.get_group())
             torch._foreach_copy_(gs, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in gs]), gs)])
-    if meshes.expert is None:
-        return
-    rep_group = meshes.expert.get_group("dp_rep") if meshes.expert.size(0) > 1 else None
-    grads = [p.grad.to_local() for p in expert_params(model) if p.grad is not None]
-    if not grads:
-        return
-    if rep_group is not None:  # one all-reduce for every expert gradient (not one per parameter)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=rep_group)
-        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
-    torch._foreach_div_(grads, float(dims.dp))
 
 
 @torch.no_grad()

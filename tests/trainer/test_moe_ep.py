@@ -1,0 +1,133 @@
+"""Expert parallel under FSDP2 (real torchrun + gloo, world 4, ep 2, so dp_rep = 2).
+
+* The experts are their own FSDP unit on the expert mesh's ``dp_rep`` dimension: their gradients
+  come back from backward as DTensors sharded over ``dp_rep`` (a quarter of each expert weight per
+  rank, not the half that two ep ranks hold) and equal, as full tensors, the gradient of the mean
+  loss over the global batch computed by one process (sharded on dim 0 with 4 experts; on dim 1
+  with 2 experts, where dp_rep × ep exceeds the number of experts).
+* Under ``param_dtype`` bf16 the weights ``Experts`` receives are already bf16 (FSDP's all-gather),
+  so ``Experts._local`` casts nothing.
+* The count exchange is issued with ``async_op=True`` right after the counts exist: before the
+  token sort, and waited for only after it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+_SCRIPT = r'''
+import sys
+import torch, torch.distributed as dist
+from orchestrator.plan.presets import ModelSpec
+from trainer import model as tm
+from trainer.model import build_model, loss_fn
+from trainer.parallel import ParallelDims, build_meshes, held_grad_bytes, parallelize
+
+n_experts = int(sys.argv[1])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+spec = ModelSpec.model_validate({"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 32,
+    "mlp": "swiglu", "bias": True, "moe": {"n_experts": n_experts, "top_k": 2, "d_expert": 48, "balance": "bias"}})
+g = torch.Generator().manual_seed(1)
+X = torch.randint(0, 64, (2 * world, 16), generator=g)
+x = X[2 * rank:2 * rank + 2]
+
+# One process, the whole global batch: the reference gradient of the mean loss.
+ref = build_model(spec, seed=0)
+loss_fn(ref(X), X)[0].backward()
+want = {n: p.grad for n, p in ref.named_parameters()}
+
+dims = ParallelDims(world, 1, 2, world)
+meshes = build_meshes(dims, "cpu")
+
+def build(param_dtype):
+    m = build_model(spec, device="meta")
+    parallelize(m, dims, meshes, device=torch.device("cpu"), param_dtype=param_dtype)
+    m.to_empty(device="cpu")
+    m.init_weights(0)
+    return m
+
+# fp32: gradients sharded over dp_rep and equal to the reference.
+model = build(None)
+loss_fn(model(x), x)[0].backward()
+worst = 0.0
+for n, p in model.named_parameters():
+    got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+    worst = max(worst, (got - want[n]).abs().max().item())
+    if ".experts." in n:
+        assert type(p.grad).__name__ == "DTensor", n
+        assert p.grad.to_local().numel() * world == p.numel(), (n, p.grad.to_local().shape, p.grad.placements)
+print(f"RANK{rank} MAXDIFF={worst:.3e} HELD={held_grad_bytes(model)} PLACEMENT={model.layers['0'].ffn.experts.w1.placements[0]!r}", flush=True)
+
+# bf16 compute: what Experts._local receives, and the order of the count exchange.
+events = []
+real_local = tm.Experts._local
+def local(t, dtype):
+    if t is not None:
+        events.append(("weight", str((t.to_local() if hasattr(t, "to_local") else t).dtype)))
+    return real_local(t, dtype)
+tm.Experts._local = staticmethod(local)
+real_a2a, real_argsort = dist.all_to_all_single, torch.argsort
+class Work:
+    def __init__(self, w):
+        self.w = w
+    def wait(self, *a, **k):
+        events.append(("wait",))
+        return self.w.wait(*a, **k)
+def a2a(*a, async_op=False, **k):
+    events.append(("a2a", bool(async_op)))
+    w = real_a2a(*a, async_op=async_op, **k)
+    return Work(w) if async_op else w
+def argsort(*a, **k):
+    events.append(("argsort",))
+    return real_argsort(*a, **k)
+dist.all_to_all_single, torch.argsort = a2a, argsort
+model = build(torch.bfloat16)
+model(x)
+dist.all_to_all_single, torch.argsort = real_a2a, real_argsort
+tm.Experts._local = staticmethod(real_local)
+dtypes = sorted({e[1] for e in events if e[0] == "weight"})
+seq = [e[0] if e[0] != "a2a" else f"a2a-async={e[1]}" for e in events if e[0] != "weight"]
+print(f"RANK{rank} DTYPES={','.join(dtypes)} SEQ={'|'.join(seq)};", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def _run(tmp_path: Path, n_experts: int) -> str:
+    script = tmp_path / "ep.py"
+    script.write_text(_SCRIPT)
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                          str(script), str(n_experts)], cwd=repo, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize("n_experts,placement", [(4, "_StridedShard(dim=0"), (2, "Shard(dim=1)")])
+def test_ep_experts_under_fsdp_on_dp_rep(tmp_path, n_experts, placement):
+    out = _run(tmp_path, n_experts)
+    grads = re.findall(r"RANK(\d) MAXDIFF=(\S+) HELD=(\d+) PLACEMENT=(\w+\(dim=\d[^)]*\))", out)
+    assert len(grads) == 4, out
+    for _, diff, _, pl in grads:
+        assert float(diff) < 1e-5, out  # the FSDP-averaged gradient of the mean loss
+        assert pl.startswith(placement), out
+    runs = re.findall(r"RANK(\d) DTYPES=([\w.,]*) SEQ=([\w|=-]*);", out)
+    assert len(runs) == 4, out
+    for _, dtypes, seq in runs:
+        assert dtypes == "torch.bfloat16", out  # no fp32 weight reaches the experts: no cast
+        # Per MoE layer: counts exchange launched async, then the token sort, then the wait.
+        steps = seq.split("|")
+        assert steps.count("a2a-async=True") == 2 and "a2a-async=False" not in steps, seq
+        for i, s in enumerate(steps):
+            if s == "a2a-async=True":
+                assert steps[i + 1] == "argsort" and "wait" in steps[i + 2:], seq
+                assert steps.index("wait", i) > steps.index("argsort", i), seq
