@@ -311,7 +311,10 @@ def _shard_experts(block: nn.Module, dims: ParallelDims, meshes: Meshes, mp: Any
     fully_shard(ex, mesh=meshes.expert, dp_mesh_dims=DataParallelMeshDims(shard="dp_rep"), mp_policy=mp,
                 reshard_after_forward=raf, shard_placement_fn=placement)
     ex.set_gradient_divide_factor(float(dims.dp))
-    if device.type != "cuda":
+    if device.type != "cuda" and dp_rep > 1:
+        # Not at dp_rep 1: there torch 2.13 copies the (only) shard divided by the factor *and*
+        # applies the forced-SUM post-division again (÷dp², measured); without the flag the
+        # size-1 path divides once and issues no collective, so gloo never sees PREMUL_SUM.
         ex.set_force_sum_reduction_for_comms(True)
     return ex
 

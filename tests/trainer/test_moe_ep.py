@@ -1,10 +1,10 @@
-"""Expert parallel under FSDP2 (real torchrun + gloo, world 4, ep 2, so dp_rep = 2).
+"""Expert parallel under FSDP2 (real torchrun + gloo, world 4: ep 2 so dp_rep = 2, and ep 4 so dp_rep = 1).
 
 * The experts are their own FSDP unit on the expert mesh's ``dp_rep`` dimension: their gradients
   come back from backward as DTensors sharded over ``dp_rep`` (a quarter of each expert weight per
   rank, not the half that two ep ranks hold) and equal, as full tensors, the gradient of the mean
   loss over the global batch computed by one process (sharded on dim 0 with 4 experts; on dim 1
-  with 2 experts, where dp_rep × ep exceeds the number of experts).
+  with 2 experts, where dp_rep × ep exceeds the number of experts; at dp_rep 1 a size-1 unit).
 * Under ``param_dtype`` bf16 the weights ``Experts`` receives are already bf16 (FSDP's all-gather),
   so ``Experts._local`` casts nothing.
 * The count exchange is issued with ``async_op=True`` right after the counts exist: before the
@@ -31,7 +31,7 @@ from trainer import model as tm
 from trainer.model import build_model, loss_fn
 from trainer.parallel import ParallelDims, build_meshes, held_grad_bytes, parallelize
 
-n_experts = int(sys.argv[1])
+n_experts, ep = int(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 spec = ModelSpec.model_validate({"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 32,
@@ -45,7 +45,7 @@ ref = build_model(spec, seed=0)
 loss_fn(ref(X), X)[0].backward()
 want = {n: p.grad for n, p in ref.named_parameters()}
 
-dims = ParallelDims(world, 1, 2, world)
+dims = ParallelDims(world, 1, ep, world)
 meshes = build_meshes(dims, "cpu")
 
 def build(param_dtype):
@@ -64,6 +64,7 @@ for n, p in model.named_parameters():
     worst = max(worst, (got - want[n]).abs().max().item())
     if ".experts." in n:
         assert type(p.grad).__name__ == "DTensor", n
+        # Sharded over all 4 ranks: ep × dp_rep (old: ep only, each dp_rep replica a full copy).
         assert p.grad.to_local().numel() * world == p.numel(), (n, p.grad.to_local().shape, p.grad.placements)
 print(f"RANK{rank} MAXDIFF={worst:.3e} HELD={held_grad_bytes(model)} PLACEMENT={model.layers['0'].ffn.experts.w1.placements[0]!r}", flush=True)
 
@@ -101,20 +102,24 @@ dist.destroy_process_group()
 '''
 
 
-def _run(tmp_path: Path, n_experts: int) -> str:
+def _run(tmp_path: Path, n_experts: int, ep: int) -> str:
     script = tmp_path / "ep.py"
     script.write_text(_SCRIPT)
     repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                          str(script), str(n_experts)], cwd=repo, capture_output=True, text=True, timeout=300,
+                          str(script), str(n_experts), str(ep)], cwd=repo, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
 
-@pytest.mark.parametrize("n_experts,placement", [(4, "_StridedShard(dim=0"), (2, "Shard(dim=1)")])
-def test_ep_experts_under_fsdp_on_dp_rep(tmp_path, n_experts, placement):
-    out = _run(tmp_path, n_experts)
+@pytest.mark.parametrize("n_experts,ep,placement", [
+    (4, 2, "_StridedShard(dim=0"),  # dp_rep 2, whole experts per rank
+    (2, 2, "Shard(dim=1)"),         # dp_rep × ep > n_experts: sharded on dim 1
+    (4, 4, "_StridedShard(dim=0"),  # dp_rep 1: a size-1 FSDP unit (compute dtype, ÷ dp, no collective)
+])
+def test_ep_experts_under_fsdp_on_dp_rep(tmp_path, n_experts, ep, placement):
+    out = _run(tmp_path, n_experts, ep)
     grads = re.findall(r"RANK(\d) MAXDIFF=(\S+) HELD=(\d+) PLACEMENT=(\w+\(dim=\d[^)]*\))", out)
     assert len(grads) == 4, out
     for _, diff, _, pl in grads:
