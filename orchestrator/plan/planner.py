@@ -11,8 +11,9 @@ The ladder (lowest first; the planner picks the lowest rung that fits)::
                   state sharded at rest; gathered parameters kept from forward to backward
     fsdp-zero3    FSDP2 resharding after forward: only ~one block's parameters gathered at a time
     fsdp-zero3+tpT   plus tensor parallel of degree T (T <= GPUs per node, divides the heads)
-    …+epE         MoE models: experts split over E ranks (expert parallel; the bundled trainer
-                  keeps EP experts out of FSDP and does not combine EP with TP)
+    …+epE         MoE models: experts split over E ranks (expert parallel; each MoE's experts are
+                  their own FSDP unit sharded over the dp/E ranks holding the same experts; the
+                  bundled trainer does not combine EP with TP)
 
 The rungs mirror ``trainer/parallel.py`` exactly (tests/trainer/test_planner_exact.py runs the
 real trainer under torchrun and compares every rank's bytes). ``trainer.parallel: auto`` →
@@ -194,9 +195,11 @@ def _local_shape(p: ParamShape, par: Parallel, dp_rank: int, tp_rank: int, ep_ra
                  padded: bool) -> tuple[int, ...]:
     """Shape of this rank's shard, as trainer/parallel.py lays it out: TP first (its dim), then
     FSDP2 on dim 0 of the TP-local tensor over the data-parallel ranks. Expert weights under
-    expert parallel are DTensors ``[Replicate(), Shard(0)]`` on the (dp/ep, ep) expert mesh and
-    FSDP ignores them: E/ep whole experts per rank. DDP (replicate: HSDP with a shard group of
-    one) keeps the TP-local tensor whole."""
+    expert parallel: E/ep experts per ep rank (dim 0), then their own FSDP unit over the
+    dp_rep = dp/ep ranks holding the same experts (``dp_rank // ep`` is the index there): dim 0
+    of the E/ep local experts, or dim 1 (even) when dp_rep·ep exceeds E, as
+    ``trainer.parallel._shard_experts`` does. DDP (replicate: HSDP with a shard group of one)
+    keeps the TP-local tensor whole."""
     dp = par.dp_shard
     shape = list(p.shape)
     split = _padded if padded else None
@@ -207,7 +210,14 @@ def _local_shape(p: ParamShape, par: Parallel, dp_rank: int, tp_rank: int, ep_ra
     if par.tp > 1 and p.tp_dim is not None and not (p.expert and par.ep > 1):
         shape[p.tp_dim] = cut(shape[p.tp_dim], par.tp, tp_rank)
     if p.expert and par.ep > 1:
-        shape[0] = cut(shape[0], par.ep, ep_rank)
+        E = shape[0]
+        shape[0] = cut(E, par.ep, ep_rank)
+        rep = dp // par.ep
+        if rep > 1:
+            if rep * par.ep > E and shape[1] % rep == 0:
+                shape[1] //= rep
+            else:
+                shape[0] = cut(shape[0], rep, dp_rank // par.ep)
         return tuple(shape)
     if not par.replicate and dp > 1:
         shape[0] = cut(shape[0], dp, dp_rank)
@@ -488,9 +498,10 @@ def evaluate_rung(spec: JobSpec, par: Parallel, strategy: str, device: Device,
     units: dict[str, int] = {}
     whole = Parallel(dp_shard=1, tp=par.tp, ep=1, replicate=True)
     for p in param_shapes(ms):
+        n = _numel(_local_shape(p, whole, 0, 0, 0, True))
         if p.expert and par.ep > 1:
-            continue  # expert-parallel experts are local and never gathered
-        units[p.unit] = units.get(p.unit, 0) + _numel(_local_shape(p, whole, 0, 0, 0, True))
+            n = n // par.ep  # the E/ep local experts, gathered over dp_rep with their block
+        units[p.unit] = units.get(p.unit, 0) + n
     total_local = sum(units.values())
     blocks = [v for k, v in units.items() if k != "root"] or [0]
     biggest = max(blocks)

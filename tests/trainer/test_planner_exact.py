@@ -27,6 +27,7 @@ DENSE = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_he
          "max_seq_len": 128, "qk_norm": True, "tie_embeddings": False, "mlp": "swiglu", "norm": "rmsnorm"}
 MOE = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 128,
        "moe": {"n_experts": 4, "top_k": 2, "capacity_factor": 4.0, "balance": "bias"}}
+MOE6 = {**MOE, "moe": {**MOE["moe"], "n_experts": 6}}
 
 CASES = [
     # id, nproc, model, parallel, optimizer[, extra trainer fields]
@@ -39,6 +40,9 @@ CASES = [
     ("tp2", 2, DENSE, {"dp_shard": 1, "tp": 2}, "adamw"),
     ("fsdp2xtp2-muon", 4, DENSE, {"dp_shard": 2, "tp": 2}, "muon"),
     ("ep2", 2, MOE, {"dp_shard": 2, "ep": 2}, "adamw"),
+    # ep 2 at world 4: the experts are their own FSDP unit over dp_rep 2 — 6 experts, 3 per ep
+    # rank, chunked 2/1 over dp_rep (uneven); grads and Adam state sharded the same way.
+    ("ep2-world4-uneven", 4, MOE6, {"dp_shard": 4, "ep": 2}, "adamw"),
     ("ddp-world2", 2, UNEVEN, {"dp_shard": 2, "replicate": True}, "adamw"),  # what auto picks for small jobs
 ]
 
@@ -69,5 +73,5 @@ def test_planner_bytes_equal_trainer_shards(trainer, tmp_path, case):
     padded = state_bytes_per_rank(ms, par, optimizer=opt, padded=True, count_step_scalars=True)
     assert padded["params"] == measured[0]["params"]
     assert padded["params"] >= max(m["params"] for m in measured)
-    if name == "fsdp-world4-uneven":
+    if name in ("fsdp-world4-uneven", "ep2-world4-uneven"):
         assert len({m["params"] for m in measured}) > 1  # the uneven split really is uneven
