@@ -136,3 +136,26 @@ def test_ep_experts_under_fsdp_on_dp_rep(tmp_path, n_experts, ep, placement):
             if s == "a2a-async=True":
                 assert steps[i + 1] == "argsort" and "wait" in steps[i + 2:], seq
                 assert steps.index("wait", i) > steps.index("argsort", i), seq
+
+
+def test_ep_checkpoint_reshards_world4_ep2_to_world1_to_world2_ep2(trainer, tmp_path):
+    """DCP resharding of FSDP-sharded expert weights and their Adam state: a checkpoint written at
+    ep 2 / dp_rep 2 (world 4) resumes at world 1 (plain tensors), whose checkpoint resumes at
+    ep 2 / dp_rep 1 (world 2); the run equals one uninterrupted process."""
+    from conftest import MOE, losses
+
+    from orchestrator.contract import runuri
+
+    cfg = dict(warmup_steps=0, min_lr_ratio=1.0, every=2, model=MOE)  # constant LR: split runs = one run
+    ref = f"file://{tmp_path}/ref"
+    rc, log = trainer.run(trainer.job("ref", nproc=1, run_uri=ref, steps=6, **cfg), 1)
+    assert rc == 0, log[-3000:]
+    uri = f"file://{tmp_path}/reshard"
+    for nproc, par, steps in [(4, {"dp_shard": 4, "ep": 2}, 2), (1, None, 4), (2, {"dp_shard": 2, "ep": 2}, 6)]:
+        rc, log = trainer.run(trainer.job(f"w{nproc}", nproc=nproc, run_uri=uri, steps=steps, parallel=par, **cfg),
+                              nproc)
+        assert rc == 0, log[-3000:]
+        if steps > 2:
+            assert f"resumed from checkpoint step {steps - 2}" in log
+        assert runuri.read_json(runuri.join(uri, "DONE"))["world_size"] == nproc
+    assert losses(uri) == pytest.approx(losses(ref), abs=2e-4)
