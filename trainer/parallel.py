@@ -283,7 +283,8 @@ def _shard_experts(block: nn.Module, dims: ParallelDims, meshes: Meshes, mp: Any
       ``dp_mesh_dims`` tells FSDP to shard over ``dp_rep`` (the replicas of the same experts) and
       keep the ``ep`` split. Sharded on dim 0 (whole experts per rank, which also keeps Muon's
       expert-by-expert path local) unless ``dp_rep × ep`` exceeds the number of experts (some
-      ranks would hold none): then dim 1, as torchtitan does.
+      ranks would hold none): then dim 1, as torchtitan does, for each weight whose dim 1 splits
+      evenly over dp_rep (FSDP2 pads only dim 0).
     * Gradient scale: every owner receives tokens from every rank of its ep group, so its local
       gradient is already a *sum* over ep ranks' losses; the reduce-scatter sums over ``dp_rep``
       and must divide by the whole dp (not by ``dp_rep``, FSDP's default for this mesh) to give
@@ -306,8 +307,8 @@ def _shard_experts(block: nn.Module, dims: ParallelDims, meshes: Meshes, mp: Any
     ex = moe.experts
     dp_rep = meshes.expert.size(0)
     placement = None
-    if dp_rep * dims.ep > moe.n_experts and all(p.shape[1] % dp_rep == 0 for p in ex.parameters()):
-        placement = lambda p: Shard(1)  # noqa: E731
+    if dp_rep * dims.ep > moe.n_experts:  # per parameter: dim 1 where it splits evenly (FSDP needs that)
+        placement = lambda p: Shard(1) if p.shape[1] % dp_rep == 0 else None  # noqa: E731
     fully_shard(ex, mesh=meshes.expert, dp_mesh_dims=DataParallelMeshDims(shard="dp_rep"), mp_policy=mp,
                 reshard_after_forward=raf, shard_placement_fn=placement)
     ex.set_gradient_divide_factor(float(dims.dp))

@@ -28,6 +28,7 @@ DENSE = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_he
 MOE = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 128,
        "moe": {"n_experts": 4, "top_k": 2, "capacity_factor": 4.0, "balance": "bias"}}
 MOE6 = {**MOE, "moe": {**MOE["moe"], "n_experts": 6}}
+MOE2 = {**MOE, "moe": {**MOE["moe"], "n_experts": 2}}
 
 CASES = [
     # id, nproc, model, parallel, optimizer[, extra trainer fields]
@@ -43,6 +44,8 @@ CASES = [
     # ep 2 at world 4: the experts are their own FSDP unit over dp_rep 2 — 6 experts, 3 per ep
     # rank, chunked 2/1 over dp_rep (uneven); grads and Adam state sharded the same way.
     ("ep2-world4-uneven", 4, MOE6, {"dp_shard": 4, "ep": 2}, "adamw"),
+    # 2 experts, ep 2, dp_rep 2: dp_rep·ep > E, so the expert unit shards dim 1 (torchtitan's rule).
+    ("ep2-world4-dim1", 4, MOE2, {"dp_shard": 4, "ep": 2}, "adamw"),
     ("ddp-world2", 2, UNEVEN, {"dp_shard": 2, "replicate": True}, "adamw"),  # what auto picks for small jobs
 ]
 

@@ -104,10 +104,11 @@ def test_ep2_matches_world1_and_checkpoint_keeps_every_expert(trainer, tmp_path,
 
 def test_ep2_world4_matches_world1(trainer, tmp_path, refs):
     """ep 2 at world 4: two replicas (dp_rep 2) of each expert half. The experts are an FSDP unit
-    on dp_rep (reduce-scattered in backward, ÷ dp): the run still equals one process."""
+    on dp_rep (reduce-scattered in backward, ÷ dp), prefetched explicitly, recomputed under full
+    activation checkpointing: the run still equals one process."""
     uri = f"file://{tmp_path}/ep4"
     job = trainer.job("ep4", nproc=4, run_uri=uri, model=MOE, steps=STEPS, optimizer="muon",
-                      parallel={"dp_shard": 4, "ep": 2})
+                      parallel={"dp_shard": 4, "ep": 2}, activation_checkpointing="full")
     rc, log = trainer.run(job, 4)
     assert rc == 0, log[-3000:]
     _check_matches(refs["moe"], losses(uri))
