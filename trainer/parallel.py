@@ -306,11 +306,11 @@ def _shard_experts(block: nn.Module, dims: ParallelDims, meshes: Meshes, mp: Any
         return None
     ex = moe.experts
     dp_rep = meshes.expert.size(0)
-    placement = None
-    if dp_rep * dims.ep > moe.n_experts:  # per parameter: dim 1 where it splits evenly (FSDP needs that)
-        placement = lambda p: Shard(1) if p.shape[1] % dp_rep == 0 else None  # noqa: E731
+    def dim1(p: nn.Parameter) -> Shard | None:  # per weight: dim 1 where it splits evenly (FSDP needs that)
+        return Shard(1) if p.shape[1] % dp_rep == 0 else None
+
     fully_shard(ex, mesh=meshes.expert, dp_mesh_dims=DataParallelMeshDims(shard="dp_rep"), mp_policy=mp,
-                reshard_after_forward=raf, shard_placement_fn=placement)
+                reshard_after_forward=raf, shard_placement_fn=dim1 if dp_rep * dims.ep > moe.n_experts else None)
     ex.set_gradient_divide_factor(float(dims.dp))
     if device.type != "cuda" and dp_rep > 1:
         # Not at dp_rep 1: there torch 2.13 copies the (only) shard divided by the factor *and*
