@@ -134,6 +134,27 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[-1])
 
 
+class _Rows(torch.autograd.Function):
+    """``x[idx]`` where every row of ``x`` is taken exactly ``k`` times and ``inv`` is the inverse
+    permutation (row ``r``'s copies sit at ``inv[r·k : r·k+k]`` of the output). The backward is a
+    gather through ``inv`` (plus a sum over the ``k`` copies) instead of autograd's zero-filled
+    scatter-add (``index_put`` with accumulate): less memory traffic, no atomics on GPU."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (inv,) = ctx.saved_tensors
+        gx = g.index_select(0, inv)
+        if ctx.k > 1:
+            gx = gx.view(-1, ctx.k, g.shape[-1]).sum(1)
+        return gx, None, None, None
+
+
 class Experts(nn.Module):
     """All experts of one MoE layer as stacked weights ``(n_experts, in, out)``.
 
@@ -253,15 +274,18 @@ class MoE(nn.Module):
             starts = torch.cumsum(counts, 0) - counts
             keep = (torch.arange(N * k, device=x.device) - starts[sorted_e]) < cap
             gates = gates * torch.zeros_like(gates).index_put_((order,), keep.to(gates.dtype))
-        xs = xf[order // k]
+        # inv[a]: where assignment a (= token·k + slot) sits in the expert-sorted order.
+        inv = torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=x.device))
+        xs = _Rows.apply(xf, order // k, inv, k)
 
         if self.ep_group is None:
             ys = self.experts(xs, counts, sorted_e)
         else:
             ys = self._ep_forward(xs, counts, pending)
 
-        inv = torch.empty_like(order).index_put_((order,), torch.arange(N * k, device=x.device))
-        y = (ys[inv].view(N, k, d) * gates.view(N, k, 1).to(ys.dtype)).sum(1)
+        # Combine: each token's k expert outputs, weighted by its gates (one small bmm per token).
+        yk = _Rows.apply(ys, inv, order, 1).view(N, k, d)
+        y = torch.bmm(gates.view(N, 1, k).to(ys.dtype), yk).view(N, d)
         return y.view(B, T, d)
 
     def _ep_counts_start(self, counts: torch.Tensor) -> tuple[torch.Tensor, Any]:
