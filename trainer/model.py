@@ -366,31 +366,28 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int, params: bool = True) -> None:
-        """GPT-2 style init (normal 0.02, residual projections scaled by 1/sqrt(2 n_layers)),
-        from a seeded generator so every rank and every world size starts identically.
+        """GPT-2 style init (normal 0.02, residual projections scaled by 1/sqrt(2 n_layers);
+        norms ones, biases and buffers zero).
+
+        Every value is a function of ``(seed, parameter name, global index)`` only, so every
+        world size and layout (FSDP, TP, dp×tp, EP, HSDP, one process) starts from the same
+        weights, and each rank draws only the tiles of each parameter that overlap its own shard
+        (see :func:`_normal_local`): no rank builds a full tensor. Call after ``to_empty``.
         ``params=False``: zero the buffers only (a checkpoint load fills the parameters)."""
-        if not params:
-            for name, b in self.named_buffers():
-                _copy_full(b, torch.zeros(b.shape))
-            return
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        resid_std = 0.02 / math.sqrt(2 * self.spec.n_layers)
-
-        def normal_(t: torch.Tensor, std: float) -> None:
-            full = torch.empty(t.shape, dtype=torch.float32).normal_(0.0, std, generator=g)
-            _copy_full(t, full)
-
-        for name, p in self.named_parameters():  # deterministic order; tied weight visited once
-            if name.endswith(".bias") or name.split(".")[-1] in ("b1", "b2", "b3"):
-                _copy_full(p, torch.zeros(p.shape))
-            elif "norm" in name:
-                _copy_full(p, torch.ones(p.shape))
-            elif name.endswith(("wo.weight", "w2.weight")) or name.endswith("experts.w2"):
-                normal_(p, resid_std)
-            else:
-                normal_(p, 0.02)
-        for name, b in self.named_buffers():
-            _copy_full(b, torch.zeros(b.shape))
+        if params:
+            resid_std = 0.02 / math.sqrt(2 * self.spec.n_layers)
+            for name, p in self.named_parameters():  # the tied weight is visited once
+                key = _canonical_name(name)
+                if key.endswith(".bias") or key.split(".")[-1] in ("b1", "b2", "b3"):
+                    _local(p).zero_()
+                elif "norm" in key:
+                    _local(p).fill_(1.0)
+                elif key.endswith(("wo.weight", "w2.weight")) or key.endswith("experts.w2"):
+                    _init_normal(p, seed, key, resid_std)
+                else:
+                    _init_normal(p, seed, key, 0.02)
+        for _, b in self.named_buffers():
+            _local(b).zero_()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(idx)
@@ -405,16 +402,131 @@ class GPT(nn.Module):
         return sum(losses) if losses else None  # type: ignore[return-value]
 
 
-def _copy_full(t: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full (global) tensor into ``t``, which may be a DTensor shard."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+# ---- initialisation: each rank draws only its own shard ---------------------------------------
+# A parameter is cut into tiles over its dims 0 and 1 (dims ≥ 2 whole); each tile is drawn from
+# its own CPU generator seeded by a stable hash of (seed, name, tile index). Tile sizes depend on
+# the parameter's shape only (never on the world size), so a value depends on (seed, name,
+# global index) only. CPU generators everywhere: a CUDA generator gives another stream, and a
+# run must start identically on any device; the local piece is then copied to the device.
+INIT_TILE_ELEMS = 1 << 20  # ~4 MB fp32 per tile
+INIT_TILE_COLS = 256  # tile width on dim 1: TP column shards round up to this
+
+
+def _canonical_name(name: str) -> str:
+    """The parameter's name without wrapper prefixes (activation checkpointing, compile), so the
+    same weight gets the same draws with or without them."""
+    for w in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(w, "")
+    return name
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _tile_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows on dim 0, columns on dim 1) of one tile — a function of ``shape`` only."""
+    inner = math.prod(shape[2:])
+    cols = min(shape[1], INIT_TILE_COLS) if len(shape) > 1 else 1
+    return max(1, INIT_TILE_ELEMS // max(1, cols * inner)), cols
+
+
+def _tile_seed(seed: int, name: str, rt: int, ct: int) -> int:
+    import hashlib
+
+    h = hashlib.blake2b(f"{seed}/{name}/{rt}/{ct}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def local_indices(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: list[int] | None,
+                  placements: Any) -> list[torch.Tensor | None]:
+    """For each dim of a tensor of global ``shape`` sharded by ``placements`` over a mesh of
+    ``mesh_shape``, the global indices held at mesh coordinate ``coord`` (``None``: the whole
+    dim). Follows DTensor's own rule (``compute_local_shape_and_global_offset``), including
+    uneven ``torch.chunk`` shards and FSDP2-over-TP's ``_StridedShard`` (whose indices need not
+    be contiguous)."""
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    idx: list[torch.Tensor | None] = [None] * len(shape)
+    if coord is None:  # this rank is not in the mesh: it holds nothing
+        return [torch.empty(0, dtype=torch.long) for _ in shape]
+    size = list(shape)
+    for md, pl in enumerate(placements):
+        if not isinstance(pl, (Shard, _StridedShard)):
+            continue
+        d = pl.dim % len(shape)
+        n, offs = _get_shard_size_and_offsets(size[d], mesh_shape[md], coord[md], pl, idx[d], shape[d], False)
+        size[d] = n
+        idx[d] = offs.to(torch.long) if n > 0 else torch.empty(0, dtype=torch.long)
+    return idx
+
+
+def _span(pos: torch.Tensor) -> slice | torch.Tensor:
+    """A slice when the (sorted) positions are contiguous, else the index tensor."""
+    if len(pos) and int(pos[-1]) - int(pos[0]) + 1 == len(pos):
+        return slice(int(pos[0]), int(pos[-1]) + 1)
+    return pos
+
+
+def _normal_local(shape: tuple[int, ...], idx: list[torch.Tensor | None], std: float, seed: int,
+                  name: str) -> torch.Tensor:
+    """The fp32 values at the global indices ``idx`` (per dim, ``None`` = all) of a
+    ``normal(0, std)`` parameter, drawing only the tiles that overlap them (full tiles: a tile's
+    stream depends on its shape only)."""
+    shape = tuple(shape)
+    tr, tc = _tile_shape(shape)
+    rows = idx[0] if idx[0] is not None else torch.arange(shape[0])
+    two = len(shape) > 1
+    cols = (idx[1] if idx[1] is not None else torch.arange(shape[1])) if two else torch.zeros(1, dtype=torch.long)
+    inner = shape[2:]
+    out = torch.empty((len(rows), len(cols), *inner) if two else (len(rows),), dtype=torch.float32)
+    g = torch.Generator(device="cpu")
+    rtile, ctile = rows // tr, cols // tc
+    for rt in torch.unique(rtile).tolist():
+        pr = (rtile == rt).nonzero().squeeze(1)
+        ro = rows[pr] - rt * tr
+        h = min(tr, shape[0] - rt * tr)
+        for ct in torch.unique(ctile).tolist():
+            g.manual_seed(_tile_seed(seed, name, rt, ct))
+            if not two:
+                tile = torch.empty(h, dtype=torch.float32).normal_(0.0, std, generator=g)
+                out[_span(pr)] = tile[_span(ro)]
+                continue
+            pc = (ctile == ct).nonzero().squeeze(1)
+            co = cols[pc] - ct * tc
+            w = min(tc, shape[1] - ct * tc)
+            tile = torch.empty((h, w, *inner), dtype=torch.float32).normal_(0.0, std, generator=g)
+            a, b, c, e = _span(pr), _span(pc), _span(ro), _span(co)
+            if isinstance(a, slice) and isinstance(b, slice) and isinstance(c, slice) and isinstance(e, slice):
+                out[a, b] = tile[c, e]
+            else:
+                out[pr[:, None], pc[None, :]] = tile[ro[:, None], co[None, :]]
+    for d in range(2, len(shape)):  # sharded on a dim ≥ 2 (no layout here does that): select it
+        if idx[d] is not None:
+            out = out.index_select(d, idx[d])
+    return out
+
+
+def _init_normal(t: torch.Tensor, seed: int, name: str, std: float) -> None:
+    """Fill ``t`` (a plain tensor or this rank's DTensor shard) with its values of the
+    seeded init, drawing only the local shard's tiles."""
+    from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        # src_data_rank=None: every rank holds the same full tensor; slice locally, no comms.
-        local = distribute_tensor(full.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
-        t.to_local().copy_(local.to_local())
+        mesh = t.device_mesh
+        idx = local_indices(tuple(t.shape), tuple(mesh.shape), mesh.get_coordinate(), t.placements)
     else:
-        t.copy_(full.to(device=t.device, dtype=t.dtype))
+        idx = [None] * t.dim()
+    local = _local(t)
+    if local.numel() == 0:
+        return
+    vals = _normal_local(tuple(t.shape), idx, std, seed, name)
+    if vals.shape != local.shape:
+        raise RuntimeError(f"init of {name}: computed local shape {tuple(vals.shape)} != shard {tuple(local.shape)}")
+    local.copy_(vals.to(device=local.device, dtype=local.dtype))
 
 
 def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int | None = None) -> GPT:
