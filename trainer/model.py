@@ -408,8 +408,9 @@ class GPT(nn.Module):
 # the parameter's shape only (never on the world size), so a value depends on (seed, name,
 # global index) only. CPU generators everywhere: a CUDA generator gives another stream, and a
 # run must start identically on any device; the local piece is then copied to the device.
-INIT_TILE_ELEMS = 1 << 20  # ~4 MB fp32 per tile
-INIT_TILE_COLS = 256  # tile width on dim 1: TP column shards round up to this
+INIT_TILE_ELEMS = 8192  # elements per tile (32 KB fp32): small enough for fine shards, large
+INIT_TILE_ROWS = 16  # enough that the per-tile overhead (seed, copy) stays ~10 % of the draw
+INIT_TILE_COLS = 512  # width on dim 1 (× the inner dims): TP column shards round up to this
 
 
 def _canonical_name(name: str) -> str:
@@ -427,10 +428,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _tile_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(rows on dim 0, columns on dim 1) of one tile — a function of ``shape`` only."""
-    inner = math.prod(shape[2:])
-    cols = min(shape[1], INIT_TILE_COLS) if len(shape) > 1 else 1
-    return max(1, INIT_TILE_ELEMS // max(1, cols * inner)), cols
+    """(rows on dim 0, columns on dim 1) of one tile — a function of ``shape`` only. Dims ≥ 2
+    are whole in a tile (an expert's (d, h) matrix: one tile per few of its rows)."""
+    if len(shape) == 1:
+        return INIT_TILE_ELEMS, 1
+    inner = max(1, math.prod(shape[2:]))
+    cols = max(1, min(shape[1], INIT_TILE_COLS // inner))
+    return max(1, min(INIT_TILE_ROWS, INIT_TILE_ELEMS // (cols * inner))), cols
 
 
 def _tile_seed(seed: int, name: str, rt: int, ct: int) -> int:
@@ -464,46 +468,58 @@ def local_indices(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: li
     return idx
 
 
-def _span(pos: torch.Tensor) -> slice | torch.Tensor:
-    """A slice when the (sorted) positions are contiguous, else the index tensor."""
-    if len(pos) and int(pos[-1]) - int(pos[0]) + 1 == len(pos):
-        return slice(int(pos[0]), int(pos[-1]) + 1)
-    return pos
+def _segments(idx: torch.Tensor | None, n: int, t: int) -> list[tuple[int, Any, Any]]:
+    """Split the global indices ``idx`` (``None``: all ``n``) by tile of ``t``: a list of
+    (tile number, positions in the local piece, offsets in the tile) — slices where the indices
+    are a contiguous range (every layout but FSDP2-over-TP's ``_StridedShard`` with uneven
+    chunks), index tensors otherwise."""
+    if idx is None or (len(idx) and int(idx[-1]) - int(idx[0]) + 1 == len(idx)
+                       and bool((idx[1:] > idx[:-1]).all())):
+        a, b = (0, n) if idx is None else (int(idx[0]), int(idx[-1]) + 1)
+        out = []
+        for k in range(a // t, (b - 1) // t + 1) if b > a else ():
+            lo, hi = max(a, k * t), min(b, (k + 1) * t)
+            out.append((k, slice(lo - a, hi - a), slice(lo - k * t, hi - k * t)))
+        return out
+    tiles = idx // t
+    out = []
+    for k in torch.unique(tiles).tolist():
+        pos = (tiles == k).nonzero().squeeze(1)
+        out.append((k, pos, idx[pos] - k * t))
+    return out
+
+
+def _as_index(s: Any) -> torch.Tensor:
+    return torch.arange(s.start, s.stop) if isinstance(s, slice) else s
 
 
 def _normal_local(shape: tuple[int, ...], idx: list[torch.Tensor | None], std: float, seed: int,
                   name: str) -> torch.Tensor:
     """The fp32 values at the global indices ``idx`` (per dim, ``None`` = all) of a
-    ``normal(0, std)`` parameter, drawing only the tiles that overlap them (full tiles: a tile's
-    stream depends on its shape only)."""
+    ``normal(0, std)`` parameter, drawing only the tiles that overlap them (whole tiles: a
+    tile's stream depends on its shape only)."""
     shape = tuple(shape)
     tr, tc = _tile_shape(shape)
-    rows = idx[0] if idx[0] is not None else torch.arange(shape[0])
     two = len(shape) > 1
-    cols = (idx[1] if idx[1] is not None else torch.arange(shape[1])) if two else torch.zeros(1, dtype=torch.long)
     inner = shape[2:]
-    out = torch.empty((len(rows), len(cols), *inner) if two else (len(rows),), dtype=torch.float32)
+    lens = [len(i) if i is not None else s for i, s in zip(idx, shape)]
+    out = torch.empty((lens[0], lens[1], *inner) if two else (lens[0],), dtype=torch.float32)
     g = torch.Generator(device="cpu")
-    rtile, ctile = rows // tr, cols // tc
-    for rt in torch.unique(rtile).tolist():
-        pr = (rtile == rt).nonzero().squeeze(1)
-        ro = rows[pr] - rt * tr
+    row_segs = _segments(idx[0], shape[0], tr)
+    col_segs = _segments(idx[1], shape[1], tc) if two else [(0, None, None)]
+    for rt, pr, ro in row_segs:
         h = min(tr, shape[0] - rt * tr)
-        for ct in torch.unique(ctile).tolist():
+        for ct, pc, co in col_segs:
             g.manual_seed(_tile_seed(seed, name, rt, ct))
             if not two:
-                tile = torch.empty(h, dtype=torch.float32).normal_(0.0, std, generator=g)
-                out[_span(pr)] = tile[_span(ro)]
+                out[pr] = torch.empty(h, dtype=torch.float32).normal_(0.0, std, generator=g)[ro]
                 continue
-            pc = (ctile == ct).nonzero().squeeze(1)
-            co = cols[pc] - ct * tc
             w = min(tc, shape[1] - ct * tc)
             tile = torch.empty((h, w, *inner), dtype=torch.float32).normal_(0.0, std, generator=g)
-            a, b, c, e = _span(pr), _span(pc), _span(ro), _span(co)
-            if isinstance(a, slice) and isinstance(b, slice) and isinstance(c, slice) and isinstance(e, slice):
-                out[a, b] = tile[c, e]
+            if all(isinstance(x, slice) for x in (pr, pc, ro, co)):
+                out[pr, pc] = tile[ro, co]
             else:
-                out[pr[:, None], pc[None, :]] = tile[ro[:, None], co[None, :]]
+                out[_as_index(pr)[:, None], _as_index(pc)[None, :]] = tile[_as_index(ro)[:, None], _as_index(co)[None, :]]
     for d in range(2, len(shape)):  # sharded on a dim ≥ 2 (no layout here does that): select it
         if idx[d] is not None:
             out = out.index_select(d, idx[d])

@@ -35,7 +35,7 @@ import trainer.model as tm
 from trainer.model import build_model, _canonical_name, _tile_shape
 from trainer.parallel import ParallelDims, build_meshes, parallelize
 
-tm.INIT_TILE_ELEMS, tm.INIT_TILE_COLS = int(sys.argv[1]), int(sys.argv[2])
+tm.INIT_TILE_ELEMS, tm.INIT_TILE_COLS, tm.INIT_TILE_ROWS = int(sys.argv[1]), int(sys.argv[2]), 5
 layouts = json.loads(sys.argv[3])
 outdir = sys.argv[4]
 dist.init_process_group("gloo")
