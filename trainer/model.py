@@ -408,8 +408,8 @@ class GPT(nn.Module):
 # the parameter's shape only (never on the world size), so a value depends on (seed, name,
 # global index) only. CPU generators everywhere: a CUDA generator gives another stream, and a
 # run must start identically on any device; the local piece is then copied to the device.
-INIT_TILE_ELEMS = 8192  # elements per tile (32 KB fp32): small enough for fine shards, large
-INIT_TILE_ROWS = 16  # enough that the per-tile overhead (seed, copy) stays ~10 % of the draw
+INIT_TILE_ELEMS = 16384  # elements per tile (64 KB fp32): small enough for fine shards, large
+INIT_TILE_ROWS = 32  # enough that the per-tile overhead (seed, copy) stays small beside the draw
 INIT_TILE_COLS = 512  # width on dim 1 (× the inner dims): TP column shards round up to this
 
 
