@@ -11,8 +11,8 @@ made (``torch.Tensor.normal_`` counted).
   parameter drawn in order, then ``distribute_tensor(src_data_rank=None)`` slices the local shard).
 
     .venv/bin/python benchmarks/bench_init.py            # gpt2-medium-sized (354M), W = 1, 2, 8
-    .venv/bin/python benchmarks/bench_init.py --big      # also llama3-8b rank 0 of 8, new only
-                                                         # (~5 GB; the old init would draw all 8B)
+    .venv/bin/python benchmarks/bench_init.py --big      # also llama3-8b rank 0 of 8, new only (~5 GB)
+    .venv/bin/python benchmarks/bench_init.py --child old 8 llama3-8b   # the old init there (minutes)
 
 Prints one JSON object.
 """
