@@ -322,8 +322,8 @@ class Run:
                                  pinned=on_gpu)
         if scaler.enabled:
             ckpt.register("loss_scaler", scaler)
-        # Resuming: the checkpoint overwrites every parameter, so skip generating the full-size
-        # initial tensors on every rank (minutes for 8B/70B); buffers are still zeroed.
+        # Fresh start: each rank draws only its own shard of the initial weights (model.py). Resuming:
+        # the checkpoint overwrites every parameter, so skip drawing them; buffers are still zeroed.
         model.init_weights(t.seed, params=not ckpt.committed_steps())
         total = t.total_steps
         metrics = self.metrics
