@@ -62,7 +62,7 @@ def old_init_weights(model, seed: int) -> None:
             elif "norm" in name:
                 copy_full(p, torch.ones(p.shape))
             else:
-                std = resid_std if name.endswith(("wo.weight", "w2.weight")) or name.endswith("experts.w2") else 0.02
+                std = resid_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
                 copy_full(p, torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g))
         for _, b in model.named_buffers():
             copy_full(b, torch.zeros(b.shape))
@@ -122,7 +122,7 @@ def main() -> None:
     rows = []
     for mode, world, name in cases:
         out = subprocess.run([sys.executable, __file__, "--child", mode, str(world), name], cwd=REPO, env=env,
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, check=False)
         if out.returncode != 0:
             raise SystemExit(f"{mode} world {world} {name} failed:\n{out.stderr[-3000:]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))

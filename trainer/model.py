@@ -382,7 +382,7 @@ class GPT(nn.Module):
                     _local(p).zero_()
                 elif "norm" in key:
                     _local(p).fill_(1.0)
-                elif key.endswith(("wo.weight", "w2.weight")) or key.endswith("experts.w2"):
+                elif key.endswith(("wo.weight", "w2.weight", "experts.w2")):
                     _init_normal(p, seed, key, resid_std)
                 else:
                     _init_normal(p, seed, key, 0.02)
