@@ -101,6 +101,7 @@ TIED = {"vocab_size": 250, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_
 MOE3 = {"vocab_size": 250, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64, "d_ff": 90,
         "moe": {"n_experts": 3, "top_k": 2, "balance": "bias"}}
 MOE4 = {**MOE3, "moe": {"n_experts": 4, "top_k": 2, "balance": "bias"}}
+MOE2 = {**MOE3, "moe": {"n_experts": 2, "top_k": 2, "balance": "bias"}}
 
 
 def _run(world: int, layouts: list[dict], tmp_path: Path) -> list[dict]:
@@ -147,7 +148,7 @@ def test_world2_fsdp_ep_hsdp_shards_equal_the_world1_init_and_draw_half(tmp_path
     assert sum(r["ideal"] for r in fsdp) == fsdp[0]["total"]  # the shards tile the model
 
 
-def test_world4_fsdp_and_dp2_tp2_shards_equal_the_world1_init_and_draw_a_quarter(tmp_path):
+def test_world4_fsdp_dp2_tp2_and_ep_shards_equal_the_world1_init_and_draw_a_quarter(tmp_path):
     layouts = [
         {"name": "fsdp4", "model": DENSE, "parallel": {"dp_shard": 4}},
         # FSDP2 over TP: _StridedShard on dim 0 for the column-wise weights, vocab 250 → 125 → 63/62.
@@ -155,12 +156,17 @@ def test_world4_fsdp_and_dp2_tp2_shards_equal_the_world1_init_and_draw_a_quarter
         # Tied embedding and learned positions are replicated over TP (documented): they are drawn
         # at 1/dp, the rest at 1/4.
         {"name": "dp2tp2-tied", "model": TIED, "parallel": {"dp_shard": 2, "tp": 2}},
+        # EP 2 at world 4: experts FSDP-sharded over dp_rep 2 on dim 0 (4 experts) or, with one
+        # expert per EP rank, on dim 1.
+        {"name": "ep2-w4", "model": MOE4, "parallel": {"dp_shard": 4, "ep": 2}},
+        {"name": "ep2-w4-dim1", "model": MOE2, "parallel": {"dp_shard": 4, "ep": 2}},
     ]
     rows = _run(4, layouts, tmp_path)
     tied = ModelSpec(**TIED)
     rep = (tied.vocab_size + tied.max_seq_len) * tied.d_model
     tied_total = next(r["total"] for r in rows if r["layout"] == "dp2tp2-tied")
-    _check(rows, {"fsdp4": 0.25, "dp2tp2": 0.25, "dp2tp2-tied": 0.25 + 0.25 * rep / tied_total})
+    _check(rows, {"fsdp4": 0.25, "dp2tp2": 0.25, "dp2tp2-tied": 0.25 + 0.25 * rep / tied_total,
+                  "ep2-w4": 0.25, "ep2-w4-dim1": 0.25})
 
 
 def test_one_process_init_is_deterministic_and_gpt2_shaped():
