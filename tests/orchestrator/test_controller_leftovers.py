@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from test_controller_fake import OFFERS, SimTrainer, make_spec, running
 
 from orchestrator.run import controller as ctl
 from orchestrator.run.clock import VirtualClock
@@ -24,7 +25,6 @@ from orchestrator.run.recovery import counted_attempts
 from orchestrator.run.state import StateStore
 from providers import errors as perr
 from providers.fake import FakeProvider
-from test_controller_fake import OFFERS, SimTrainer, make_spec, running
 
 
 class HangingLaunchCloud(FakeProvider):
@@ -306,30 +306,7 @@ class ReturnsAfterTheRunCloud(FakeProvider):
 
 
 def test_close_waits_for_the_late_terminate_and_the_booking_covers_it(tmp_path):
-    from providers.fake import FakeOfferTemplate
-
-    clock = VirtualClock()
-    cloud = ReturnsAfterTheRunCloud(clock, offers=[FakeOfferTemplate("fake-east", "H100", False, PRICE)],
-                                    provision_seconds=60, autodown_seconds=None, terminate_seconds=0)
-    store = StateStore(tmp_path / "state.db")
-
-    def on_event(type_, message):
-        if type_ == "state" and message.startswith("CANCELLED"):
-            clock.advance(600)  # the stuck launch returns ten minutes after the run ended
-            cloud.release.set()
-            assert cloud.returned.wait(10.0)
-
-    c = Controller(_spec(tmp_path), store, clock=clock, providers={"fake": cloud}, launch_wait_seconds=0.05,
-                   write_lease=False, on_event=on_event)
-
-    def on_tick(_c):
-        assert cloud.running.wait(10.0)
-        store.request_action("slowlaunch", "stop")
-
-    try:
-        assert c.run(on_tick=on_tick) == "CANCELLED"
-    finally:
-        cloud.release.set()
+    cloud, store, _ = _late_run(tmp_path)  # the stuck launch returns ten minutes after the run
     assert cloud.live_at_close == [0], "the providers were closed while the late instance still billed"
     assert cloud.running_instances() == []
     bill = cloud.bill()
@@ -356,7 +333,15 @@ class LateTerminateTroubleCloud(ReturnsAfterTheRunCloud):
         return super(ReturnsAfterTheRunCloud, self).terminate(handle)
 
 
-def _late_run(tmp_path, cloud, clock):
+def _late_run(tmp_path, cloud_cls=None, **cloud_kw):
+    """The run whose launch returns ten minutes after it was recorded CANCELLED (fake cloud of
+    ``cloud_cls``, default ReturnsAfterTheRunCloud). Returns (cloud, store, events)."""
+    from providers.fake import FakeOfferTemplate
+
+    clock = VirtualClock()
+    cloud = (cloud_cls or ReturnsAfterTheRunCloud)(
+        clock, offers=[FakeOfferTemplate("fake-east", "H100", False, PRICE)], provision_seconds=60,
+        autodown_seconds=None, terminate_seconds=0, **cloud_kw)
     store = StateStore(tmp_path / "state.db")
     events: list[tuple[str, str]] = []
 
@@ -378,20 +363,15 @@ def _late_run(tmp_path, cloud, clock):
         assert c.run(on_tick=on_tick) == "CANCELLED"
     finally:
         cloud.release.set()
-    return store, events
+    return cloud, store, events
 
 
 def test_a_late_terminate_that_gives_up_after_the_run_is_swept_not_left_billing(tmp_path, monkeypatch):
     # Review finding: the launch returned after the run was recorded CANCELLED and its late
     # terminate gave up: the orphan sweep had already run (in _finish), so the instance kept
     # billing with no warning.
-    from providers.fake import FakeOfferTemplate
-
     monkeypatch.setattr(ctl, "ABANDON_TERMINATE_TRIES", 2)
-    clock = VirtualClock()
-    cloud = LateTerminateTroubleCloud(clock, fail=2, offers=[FakeOfferTemplate("fake-east", "H100", False, PRICE)],
-                                      provision_seconds=60, autodown_seconds=None, terminate_seconds=0)
-    store, events = _late_run(tmp_path, cloud, clock)
+    cloud, store, events = _late_run(tmp_path, LateTerminateTroubleCloud, fail=2)
     assert cloud.running_instances() == [], events[-5:]
     assert any(t == "orphan" for t, _ in events), events[-5:]
     assert store.spend_total("slowlaunch") > 0
@@ -400,12 +380,7 @@ def test_a_late_terminate_that_gives_up_after_the_run_is_swept_not_left_billing(
 def test_providers_stay_open_while_a_late_terminate_is_still_retried(tmp_path, monkeypatch):
     # Review finding: after the bounded wait the providers were closed (SkyPilot: its API server
     # stopped) under a terminate still in flight, with no word to the user.
-    from providers.fake import FakeOfferTemplate
-
     monkeypatch.setattr(ctl, "ABANDON_CLOSE_WAIT_S", 0.2)
-    clock = VirtualClock()
-    cloud = LateTerminateTroubleCloud(clock, slow=1.5, offers=[FakeOfferTemplate("fake-east", "H100", False, PRICE)],
-                                      provision_seconds=60, autodown_seconds=None, terminate_seconds=0)
-    store, events = _late_run(tmp_path, cloud, clock)
+    cloud, store, events = _late_run(tmp_path, LateTerminateTroubleCloud, slow=1.5)
     assert cloud.live_at_close == [], "closed under a terminate in flight"
     assert any(t == "warning" and "dtrun gc" in m for t, m in events), events[-5:]
