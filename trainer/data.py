@@ -17,7 +17,8 @@ data-parallel rank and restorable at another dp degree.
 Input pipeline (what keeps a GPU fed from S3): a micro-batch of one rank is ``mb`` consecutive
 samples, i.e. one contiguous token range; ranges are served from aligned blocks of
 ``READ_BLOCK_BYTES`` fetched with one ranged GET each (``fs.cat_file``: no s3fs read-ahead), the
-next block fetched in the background as soon as one is used, and kept in a small LRU, so a step costs a few large requests, not one per sample. Local files are
+next ``READ_AHEAD_BLOCKS`` blocks fetched concurrently in the background as soon as one is used,
+and kept in a small LRU, so a step costs a few large requests, not one per sample. Local files are
 memory-mapped. A background thread (:class:`DataLoader`) assembles the micro-batches of the next
 ``PREFETCH_STEPS`` steps while the current one trains, pinning host memory on CUDA; the main
 thread copies them with ``non_blocking=True``. The state in the checkpoint is still one counter.
@@ -42,6 +43,12 @@ READ_BLOCK_BYTES = int(os.environ.get("DTRUN_DATA_BLOCK_BYTES", 8 << 20))
 """One ranged GET per aligned block of this size (remote shards); env ``DTRUN_DATA_BLOCK_BYTES``."""
 CACHE_BLOCKS = 8
 """Blocks kept per shard source, over all its shards (LRU): every rank of a data-parallel group reads the same blocks."""
+READ_AHEAD_BLOCKS = max(1, min(int(os.environ.get("DTRUN_DATA_READ_AHEAD", 4)), CACHE_BLOCKS - 2))
+"""Blocks fetched ahead of the one in use, concurrently (up to the read-ahead pool's 4 threads):
+with small blocks (≈ one per step) one block ahead leaves a request's latency exposed whenever the
+loop catches up; several in flight hide it. Bounded: at most this many blocks (of
+``READ_BLOCK_BYTES``) in flight, and fewer than ``CACHE_BLOCKS`` so read-ahead never evicts the
+block in use. Env ``DTRUN_DATA_READ_AHEAD``."""
 PREFETCH_STEPS = 2
 """Optimizer steps of micro-batches the background thread prepares ahead of the loop."""
 
@@ -106,10 +113,10 @@ class _Shard:
             if b is not None:
                 self._blocks.move_to_end((self.path, k))
             fut = self._inflight.get(k)
-            nxt = k + 1
-            # Read-ahead: the stream moves forward, so fetch the next block in the background.
-            if nxt < self.n_blocks and (self.path, nxt) not in self._blocks and nxt not in self._inflight:
-                self._inflight[nxt] = _READ_AHEAD.submit(self._fetch, nxt)
+            # Read-ahead: the stream moves forward, so fetch the next blocks in the background.
+            for nxt in range(k + 1, min(k + 1 + READ_AHEAD_BLOCKS, self.n_blocks)):
+                if (self.path, nxt) not in self._blocks and nxt not in self._inflight:
+                    self._inflight[nxt] = _READ_AHEAD.submit(self._fetch, nxt)
         if b is not None:
             return b
         if fut is not None:

@@ -151,3 +151,46 @@ def test_val_data_naming_a_prepared_folder_validates_on_its_val_shards_only(tmp_
     (tmp_path / "held").mkdir()
     (tmp_path / "held" / "part_000.bin").write_bytes(encode(val, 256))
     assert build_val_source(str(tmp_path), str(tmp_path / "held"), 64, 256, 0).total == 1000
+
+
+def test_read_ahead_keeps_several_blocks_in_flight_and_no_more(monkeypatch, s3_server):
+    """Small blocks (≈ one GET per step): the next ``READ_AHEAD_BLOCKS`` blocks are requested
+    concurrently as soon as a block is used (one block ahead left each request's latency exposed),
+    and no further — bounded memory. moto S3; ``cat_file`` wrapped only to hold each request
+    0.2 s and count how many overlap."""
+    import threading
+    import time
+
+    import fsspec
+
+    import trainer.data as data
+
+    assert data.READ_AHEAD_BLOCKS >= 2 and data.READ_AHEAD_BLOCKS < data.CACHE_BLOCKS
+    monkeypatch.setattr(data, "READ_BLOCK_BYTES", 1024)
+    fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3_server})
+    fs.mkdir("ahead-bucket")
+    stream = (np.arange(16 * 512) * 7) % 50_000  # 16 blocks of 1 KiB (uint16)
+    fs.pipe("ahead-bucket/d/train_000000.bin", encode(stream, 50_000))
+    src = build_source("s3://ahead-bucket/d", seq_len=64, vocab_size=50_000, seed=0)
+    shard = src.shards[0]
+    real, lock, now, peak = shard.fs.cat_file, threading.Lock(), [0], [0]
+
+    def held(*a, **k):
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+        time.sleep(0.2)
+        try:
+            return real(*a, **k)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(shard.fs, "cat_file", held)
+    assert np.array_equal(src.samples(0, 1)[0], stream[:65])  # block 0 only
+    for f in list(shard._inflight.values()):
+        f.result()
+    want = set(range(data.READ_AHEAD_BLOCKS + 1))
+    assert {k for _, k in shard._blocks} == want
+    assert shard.requests == len(want)
+    assert peak[0] >= min(data.READ_AHEAD_BLOCKS, 4)  # in flight together, not one after another
