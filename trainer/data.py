@@ -43,7 +43,7 @@ READ_BLOCK_BYTES = int(os.environ.get("DTRUN_DATA_BLOCK_BYTES", 8 << 20))
 """One ranged GET per aligned block of this size (remote shards); env ``DTRUN_DATA_BLOCK_BYTES``."""
 CACHE_BLOCKS = 8
 """Blocks kept per shard source, over all its shards (LRU): every rank of a data-parallel group reads the same blocks."""
-READ_AHEAD_BLOCKS = max(1, min(int(os.environ.get("DTRUN_DATA_READ_AHEAD", 4)), CACHE_BLOCKS - 2))
+READ_AHEAD_BLOCKS = max(1, min(int(os.environ.get("DTRUN_DATA_READ_AHEAD", "4")), CACHE_BLOCKS - 2))
 """Blocks fetched ahead of the one in use, concurrently (up to the read-ahead pool's 4 threads):
 with small blocks (≈ one per step) one block ahead leaves a request's latency exposed whenever the
 loop catches up; several in flight hide it. Bounded: at most this many blocks (of
