@@ -155,11 +155,13 @@ def _scale(u: torch.Tensor) -> float:
 
 
 def _expert_local(u: torch.Tensor) -> bool:
-    """Expert weights sharded on the expert dim only (EP, or FSDP's Shard(0) of a 3-D weight):
-    every expert matrix is whole on its rank, no communication needed."""
+    """Expert weights sharded on the expert dim only (EP, FSDP's Shard(0) of a 3-D weight, or
+    EP experts FSDP-sharded on dim 0 over dp_rep — a ``_StridedShard(0)``): every expert matrix
+    is whole on its rank, no communication needed."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return u.ndim == 3 and all(isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim == 0)
+    return u.ndim == 3 and all(isinstance(pl, Replicate) or (isinstance(pl, (Shard, _StridedShard)) and pl.dim == 0)
                                for pl in u.placements)
 
 

@@ -4,7 +4,7 @@ one process's, and the bytes each rank moves through collectives during ``Muon.s
     torchrun --nproc-per-node=N tests/trainer/muon_dist_check.py LAYOUT [ns_dtype] [bucket_bytes]
 
 LAYOUT: fsdp (dp_shard = world), fsdp-moe, tp (tp = world), tp-moe, dptp (2 × world/2),
-ddp (replicate). Prints ``RESULT {json}`` per rank (and writes $MUON_OUT/rank{r}.json)."""
+ddp (replicate), ep-moe (ep 2, experts FSDP-sharded over dp_rep = world/2). Prints ``RESULT {json}`` per rank (and writes $MUON_OUT/rank{r}.json)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def main() -> None:
     dims = {"fsdp": ParallelDims(world, 1, 1, world), "fsdp-moe": ParallelDims(world, 1, 1, world),
             "tp": ParallelDims(1, world, 1, world), "tp-moe": ParallelDims(1, world, 1, world),
             "dptp": ParallelDims(2, world // 2, 1, world),
-            "ddp": ParallelDims(world, 1, 1, world, replicate=True)}[layout]
+            "ddp": ParallelDims(world, 1, 1, world, replicate=True),
+            "ep-moe": ParallelDims(world, 1, 2, world)}[layout]
     meshes = build_meshes(dims, "cpu")
     model = build_model(spec, device="meta")
     parallelize(model, dims, meshes, device=torch.device("cpu"))

@@ -68,7 +68,8 @@ def _run(tmp: Path, nproc: int, *args: str) -> list[dict]:
     (4, ("dptp", "fp32", "1")),      # dp2×tp2: 2-D mesh, _StridedShard + Shard(1); one matrix per bucket (pipeline)
     (2, ("tp-moe", "bf16")),         # TP Shard(0)/Shard(1), replicated experts; bf16 NS and bf16 transfers
     (2, ("ddp",)),                   # (Replicate, Shard(0)): the owner uses its own copy
-], ids=["fsdp-w3-uneven", "dptp-w4-buckets", "tp-moe-w2-bf16", "ddp-w2"])
+    (4, ("ep-moe",)),                # ep 2: experts (_StridedShard(0), Shard(0)) stay local, the rest scatters
+], ids=["fsdp-w3-uneven", "dptp-w4-buckets", "tp-moe-w2-bf16", "ddp-w2", "ep-moe-w4"])
 def test_distributed_muon_equals_one_process_and_moves_one_shard_each_way(tmp_path, nproc, args):
     res = _run(tmp_path, nproc, *args)
     for r in res:
