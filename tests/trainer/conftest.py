@@ -18,6 +18,22 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "infra" / "torchrun_launch.py"
 
+def torchrun_script(tmp: Path, source: str | Path, nproc: int, *args: str, timeout: float = 300,
+                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a test script (its text, or a path) under the real torchrun on CPU (gloo, one thread per
+    rank) from the repository root; the test fails with the script's output unless it exits 0."""
+    if isinstance(source, str):
+        path = tmp / "torchrun_script.py"
+        path.write_text(source)
+    else:
+        path = source
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                          str(path), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
+    return out
+
+
 # A dense model that exercises every TP path: untied head/embedding, QK-norm, SwiGLU, RMSNorm, GQA.
 DENSE = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
          "max_seq_len": 128, "qk_norm": True, "tie_embeddings": False, "mlp": "swiglu", "norm": "rmsnorm"}

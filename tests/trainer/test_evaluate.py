@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from orchestrator.contract import runuri
-from tests.trainer.conftest import DENSE
+from tests.trainer.conftest import DENSE, torchrun_script
 
 pytestmark = pytest.mark.slow
 
@@ -105,19 +105,9 @@ def test_validation_under_tp_keeps_logits_vocab_sharded(tmp_path):
     with loss parallel — no rank gathers mb × T × vocab logits (before: ``full_tensor()`` of the
     logits on every rank, tp× the logits memory of a training step: ~10 GB per H100 for a
     128k vocabulary at T 8192, enough to run out of memory at the first evaluation)."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = tmp_path / "tp_eval.py"
-    script.write_text(_TP_EVAL_SCRIPT)
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(script)], cwd=repo, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    out = torchrun_script(tmp_path, _TP_EVAL_SCRIPT, 2, timeout=180)
     m = re.search(r"VAL (\S+) REF (\S+)", out.stdout)
     assert m and abs(float(m.group(1)) - float(m.group(2))) < 1e-5, out.stdout
     assert "FULL_VOCAB_GATHERS 0" in out.stdout, out.stdout

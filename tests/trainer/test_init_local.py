@@ -12,13 +12,11 @@ parameter spans many tiles with uneven edges.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun_script
 
 from orchestrator.plan.presets import ModelSpec
 
@@ -105,13 +103,7 @@ MOE2 = {**MOE3, "moe": {"n_experts": 2, "top_k": 2, "balance": "bias"}}
 
 
 def _run(world: int, layouts: list[dict], tmp_path: Path) -> list[dict]:
-    script = tmp_path / "init_local.py"
-    script.write_text(_SCRIPT)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                          str(script), str(TILE), str(COLS), json.dumps(layouts), str(tmp_path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, check=False)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
+    torchrun_script(tmp_path, _SCRIPT, world, str(TILE), str(COLS), json.dumps(layouts), str(tmp_path))
     rows = [json.loads((tmp_path / f"{lay['name']}-{r}.json").read_text()) for lay in layouts for r in range(world)]
     return rows
 

@@ -13,13 +13,11 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import torchrun_script
 
 pytestmark = pytest.mark.slow
 
@@ -103,14 +101,7 @@ dist.destroy_process_group()
 
 
 def _run(tmp_path: Path, n_experts: int, ep: int) -> str:
-    script = tmp_path / "ep.py"
-    script.write_text(_SCRIPT)
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                          str(script), str(n_experts), str(ep)], cwd=repo, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return out.stdout
+    return torchrun_script(tmp_path, _SCRIPT, 4, str(n_experts), str(ep)).stdout
 
 
 @pytest.mark.parametrize("n_experts,ep,placement", [

@@ -5,13 +5,11 @@ and moving about one local momentum's bytes each way (the gather scheme moved ~3
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun_script
 
 from trainer import optim
 from trainer.optim import Muon, newton_schulz, ns_dtype_for
@@ -55,10 +53,7 @@ def test_ns_dtype_follows_the_device_and_can_be_overridden(monkeypatch):
 
 
 def _run(tmp: Path, nproc: int, *args: str) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                          str(WORKER), *args], cwd=REPO, capture_output=True, text=True, timeout=400, check=False,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MUON_OUT": str(tmp)})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    torchrun_script(tmp, WORKER, nproc, *args, timeout=400, env={"MUON_OUT": str(tmp)})
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 

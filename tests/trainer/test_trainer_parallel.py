@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import DENSE, MOE, Trainer, losses
+from conftest import DENSE, MOE, Trainer, losses, torchrun_script
 
 from orchestrator.contract import runuri
 from orchestrator.plan.presets import ModelSpec
@@ -185,18 +185,7 @@ dist.destroy_process_group()
 def test_tp_is_sequence_parallel_with_a_vocab_sharded_loss(tmp_path):
     """The residual stream between blocks holds this rank's half of the sequence; the head's
     logits stay vocab-sharded (loss parallel: no full-vocab all-gather)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = tmp_path / "layout.py"
-    script.write_text(_TP_LAYOUT_SCRIPT)
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(script)], cwd=repo, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    out = torchrun_script(tmp_path, _TP_LAYOUT_SCRIPT, 2, timeout=180)
     assert "LOGITS DTensor (Shard(dim=2),) (2, 32, 128)" in out.stdout, out.stdout
     assert "BLOCK_OUT (2, 16, 64)" in out.stdout, out.stdout
     assert "NORM DTensor" in out.stdout, out.stdout
@@ -234,19 +223,9 @@ def test_z_loss_under_loss_parallel_keeps_the_vocabulary_sharded(tmp_path):
     """z-loss's logsumexp on vocab-sharded logits: before, ``torch.logsumexp`` on the DTensor
     all-gathered the whole vocabulary on every TP rank (mb·T·V fp32, the memory loss parallel
     exists to avoid). Now two small all-reduces; loss and gradient equal the unsharded ones."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = tmp_path / "zloss.py"
-    script.write_text(_Z_LOSS_SCRIPT)
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(script)], cwd=repo, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    out = torchrun_script(tmp_path, _Z_LOSS_SCRIPT, 2, timeout=180)
     m = re.search(r"LOSS (\S+) REF (\S+) GRAD_ERR (\S+)", out.stdout)
     assert m and abs(float(m.group(1)) - float(m.group(2))) < 1e-5 and float(m.group(3)) < 1e-6, out.stdout
     comms = re.search(r"COMMS (.*)", out.stdout).group(1)
@@ -284,19 +263,9 @@ dist.destroy_process_group()
 
 
 def test_muon_splits_newton_schulz_across_ranks(tmp_path):
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = tmp_path / "muon.py"
-    script.write_text(_MUON_SPLIT_SCRIPT)
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(script)], cwd=repo, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    out = torchrun_script(tmp_path, _MUON_SPLIT_SCRIPT, 2, timeout=180)
     got = {int(r): (int(n), int(m)) for r, n, m in re.findall(r"RANK(\d) NS=(\d+) MATS=(\d+)", out.stdout)}
     assert set(got) == {0, 1}
     mats = got[0][1]

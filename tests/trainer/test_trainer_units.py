@@ -343,18 +343,9 @@ dist.destroy_process_group()
 
 def test_ranks_agree_on_last_committed_when_rank0_commit_write_fails(tmp_path):
     # Otherwise rank 0 alone would enter the final/emergency collective save and hang.
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.trainer.conftest import torchrun_script
 
-    script = tmp_path / "settle.py"
-    script.write_text(_SETTLE_SCRIPT)
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(script), f"file://{tmp_path}/run"], cwd=repo, capture_output=True, text=True,
-                         timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1",
-                                           "PYTHONPATH": str(repo)})
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    out = torchrun_script(tmp_path, _SETTLE_SCRIPT, 2, f"file://{tmp_path}/run")
     assert "RANK0 settled=None" in out.stdout and "RANK1 settled=None" in out.stdout, out.stdout
 
 
