@@ -208,15 +208,8 @@ class _Layout:
     def __init__(self, shape: torch.Size, mesh: Any, placements: tuple, ranks: list[int]):
         from torch.distributed.tensor import Replicate
 
-        flat = mesh.mesh.flatten().tolist()
         mshape = tuple(mesh.mesh.shape)
-        self.coords = []
-        for r in ranks:
-            i, c = flat.index(r), []
-            for s in reversed(mshape):
-                c.append(i % s)
-                i //= s
-            self.coords.append(tuple(reversed(c)))
+        self.coords = [tuple((mesh.mesh == r).nonzero()[0].tolist()) for r in ranks]
         self.rep_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Replicate)]
         self.shapes, self.index = [], []
         for c in self.coords:
@@ -234,35 +227,21 @@ class _Layout:
 
 def _shard_index(shape: torch.Size, mesh_shape: tuple, coord: tuple, placements: tuple) -> tuple:
     """(local shape, per-dim index into the full tensor: a slice, or a LongTensor when a strided
-    shard makes it non-contiguous) of the shard at mesh coordinate ``coord``."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
-    from torch.distributed.tensor.placement_types import _StridedShard
+    shard makes it non-contiguous) of the shard at mesh coordinate ``coord`` — the global indices
+    from :func:`trainer.model.local_indices` (the local-shard init's rule: DTensor's own)."""
+    from trainer.model import local_indices
 
-    local = list(shape)
-    offsets: dict[int, torch.Tensor] = {}
-    for md, pl in enumerate(placements):
-        if not isinstance(pl, (Shard, _StridedShard)):
-            continue
-        d = pl.dim
-        size, idx = _get_shard_size_and_offsets(local[d], mesh_shape[md], coord[md], pl, offsets.get(d),
-                                                shape[d], False)
-        local[d] = size
-        offsets[d] = idx
+    held = local_indices(tuple(shape), mesh_shape, list(coord), placements)
+    local = [shape[d] if i is None else len(i) for d, i in enumerate(held)]
     index: list[Any] = []
-    for d in range(len(shape)):
-        idx = offsets.get(d)
-        if idx is None:
+    for i in held:
+        if i is None:
             index.append(slice(None))
-        elif local[d] == 0:
+        elif len(i) == 0:
             index.append(slice(0, 0))
         else:
-            idx = idx.flatten()[: local[d]]
-            lo = int(idx[0])
-            if torch.equal(idx, torch.arange(lo, lo + local[d])):
-                index.append(slice(lo, lo + local[d]))
-            else:
-                index.append(idx.long())
+            lo = int(i[0])
+            index.append(slice(lo, lo + len(i)) if torch.equal(i, torch.arange(lo, lo + len(i))) else i)
     if any(isinstance(i, torch.Tensor) for i in index):  # open-mesh (np.ix_) indexing
         n = len(index)
         index = [(torch.arange(shape[d]) if i == slice(None) else
@@ -482,10 +461,8 @@ class Muon(torch.optim.Optimizer):
                     inflight[-2][0].orthogonalise()  # NS of the previous bucket while this one's shards travel
                 if len(inflight) == 3:
                     self._finish(*inflight.pop(0))
-            if len(inflight) == 2:
-                inflight[-1][0].orthogonalise()
-            elif len(inflight) == 1:
-                inflight[0][0].orthogonalise()
+            if inflight:
+                inflight[-1][0].orthogonalise()  # the last bucket's (the others' NS already ran)
             for ex, b in inflight:
                 self._finish(ex, b)
 
