@@ -541,11 +541,12 @@ def param_digest(model) -> str | None:
 
     from torch.distributed.tensor import DTensor
 
+    from trainer.model import _canonical_name
+
     h = hashlib.sha256()
     items = {}
     for k, v in model.state_dict().items():
-        name = k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        items[name] = v
+        items[_canonical_name(k)] = v
     for name in sorted(items):
         v = items[name]
         if isinstance(v, DTensor):

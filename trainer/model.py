@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from orchestrator.plan.planner import LOSS_CHUNK_BYTES  # fp32 logits bytes per loss chunk (the planner counts it)
 from orchestrator.plan.presets import ModelSpec
 
 
@@ -269,13 +270,13 @@ class MoE(nn.Module):
 
         order = torch.argsort(flat_e, stable=True)  # assignments grouped by expert, token order kept
         sorted_e = flat_e[order]
+        # inv[a]: where assignment a (= token·k + slot) sits in the expert-sorted order.
+        inv = torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=x.device))
         if self.capacity_factor is not None:
             cap = max(1, math.ceil(self.capacity_factor * N * k / E))
             starts = torch.cumsum(counts, 0) - counts
-            keep = (torch.arange(N * k, device=x.device) - starts[sorted_e]) < cap
-            gates = gates * torch.zeros_like(gates).index_put_((order,), keep.to(gates.dtype))
-        # inv[a]: where assignment a (= token·k + slot) sits in the expert-sorted order.
-        inv = torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=x.device))
+            keep = (torch.arange(N * k, device=x.device) - starts[sorted_e]) < cap  # in sorted order
+            gates = gates * keep[inv].to(gates.dtype)
         xs = _Rows.apply(xf, order // k, inv, k)
 
         if self.ep_group is None:
@@ -308,12 +309,12 @@ class MoE(nn.Module):
         return recv, work
 
     def _ep_forward(self, xs: torch.Tensor, counts: torch.Tensor,
-                    pending: tuple[torch.Tensor, Any] | None = None) -> torch.Tensor:
+                    pending: tuple[torch.Tensor, Any]) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         ep, E = self.ep_size, self.n_experts
         el = E // ep
-        recv, work = pending if pending is not None else self._ep_counts_start(counts)
+        recv, work = pending  # the count exchange issued by _ep_counts_start
         work.wait()
         recv_2d = recv.view(ep, el)
         # One host read for both split lists: [sent to rank r] + [received from rank r].
@@ -555,8 +556,6 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int |
     return model
 
 
-LOSS_CHUNK_BYTES = 256 << 20
-"""fp32 bytes of logits one loss chunk upcasts at a time (V = 128k: 512 tokens)."""
 
 
 def _logsumexp(lf: torch.Tensor) -> torch.Tensor:

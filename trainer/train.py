@@ -360,13 +360,16 @@ class Run:
             if in_loop:
                 metrics.set_phase("training")
 
+        def evaluate() -> None:
+            metrics.set_phase("evaluating")  # not a stalled step: the heartbeat keeps beating
+            metrics.eval(step, evaluator.evaluate(model, device, lambda: amp_context(device, param_dtype, meshes)))
+
         def finish(code: int, status: str) -> int:
             poll_done.set()
             metrics.progress(step, last_loss, ckpt.last_committed, status=status, force=True, exit_code=code,
                              phase="stopping")
             return code
 
-        evaluated_at = -1
         try:
             while step < total:
                 lr = lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=total,
@@ -460,22 +463,19 @@ class Run:
                     if ckpt.last_committed != step:
                         save(step, sync=True)
                     return finish(EXIT_DONE, "stopped")
-                if evaluator is not None and ((t.eval_every and step % t.eval_every == 0) or step == total):
-                    metrics.set_phase("evaluating")  # not a stalled step: the heartbeat keeps beating
-                    val = evaluator.evaluate(model, device, lambda: amp_context(device, param_dtype, meshes))
+                if evaluator is not None and t.eval_every and step % t.eval_every == 0 and step < total:
+                    evaluate()
                     metrics.set_phase("training")
-                    metrics.eval(step, val)
-                    evaluated_at = step
                 due = (isinstance(every, int) and step % every == 0) or auto_now > 0
                 if due and step < total:
                     save(step)
                     last_auto = time.monotonic()
 
+            if evaluator is not None:
+                # The final validation loss, here also when resumed at the last step (its checkpoint
+                # committed, DONE not yet written: the loop ran no step).
+                evaluate()
             metrics.set_phase("stopping")
-            if evaluator is not None and evaluated_at != step:
-                # Resumed at the last step (its checkpoint committed, DONE not yet written): the
-                # loop ran no step, so the final validation loss is taken here, not left null.
-                metrics.eval(step, evaluator.evaluate(model, device, lambda: amp_context(device, param_dtype, meshes)))
             ckpt.settle()
             if ckpt.last_committed != step:
                 save(step, sync=True)

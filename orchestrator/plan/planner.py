@@ -306,8 +306,7 @@ def block_activation_bytes(ms: ModelSpec, layer: int, seq: int, micro_batch: int
 
 
 LOSS_CHUNK_BYTES = 256 << 20
-"""fp32 logits bytes the trainer's loss upcasts at a time (the same number as
-``trainer.model.LOSS_CHUNK_BYTES``; a test keeps them equal — plan/ may not import the trainer)."""
+"""fp32 logits bytes the trainer's loss (``trainer.model.loss_fn``) upcasts at a time."""
 
 
 def activation_bytes(ms: ModelSpec, seq: int, micro_batch: int, elem: int, tp: int = 1,
