@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo demo-synthetic test bench clean
+.PHONY: demo demo-synthetic test e2e bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,11 @@ demo-synthetic: $(STAMP)
 	$(DTRUN) up jobs/quickstart.yaml --yes
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not e2e"
+
+# End-to-end suites against the emulated clouds in tests/e2e/ (slow; some need root).
+e2e: $(STAMP)
+	$(PY) -m pytest -q -m e2e tests/e2e
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
