@@ -150,3 +150,59 @@ def test_no_import_loops():
 def test_every_package_says_what_it_is_for(pkg):
     doc = ast.get_docstring(ast.parse((ROOT / pkg / "__init__.py").read_text()))
     assert doc and "import" in doc, f"{pkg}/__init__.py: docstring must say what it is for and what it may import"
+
+
+def _package_of(mods: dict[str, Path], m: str) -> str:
+    return m if mods[m].name == "__init__.py" else m.rpartition(".")[0]
+
+
+def _lazy_loops(mods: dict[str, Path]) -> list[str]:
+    """Import loops between modules of one package, lazy imports (inside functions) included:
+    two modules that need each other belong in one place (or their shared part in a third)."""
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        for _line, target, _top in _imports(f):
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if (target and target != m and mods[target].name != "__init__.py"
+                    and _package_of(mods, target) == _package_of(mods, m)):
+                graph[m].add(target)
+    seen: dict[str, int] = {}
+    stack: list[str] = []
+    loops: list[str] = []
+
+    def visit(m: str) -> None:
+        seen[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if seen.get(n) == 1:
+                loops.append(" → ".join(stack[stack.index(n):] + [n]))
+            elif n not in seen:
+                visit(n)
+        stack.pop()
+        seen[m] = 2
+
+    for m in sorted(graph):
+        if m not in seen:
+            visit(m)
+    return loops
+
+
+def test_no_lazy_import_loops_inside_a_package():
+    assert _lazy_loops({_module_name(f): f for f in _all_files()}) == []
+
+
+def test_lazy_loop_check_catches_a_loop_hidden_in_functions():
+    """Two modules of orchestrator/cli importing each other only inside functions are reported."""
+    mods = {_module_name(f): f for f in _all_files()}
+    a = ROOT / "orchestrator" / "cli" / "_layout_probe_a.py"
+    b = ROOT / "orchestrator" / "cli" / "_layout_probe_b.py"
+    a.write_text("def f():\n    from orchestrator.cli import _layout_probe_b\n")
+    b.write_text("def g():\n    from orchestrator.cli._layout_probe_a import f\n")
+    try:
+        mods.update({_module_name(a): a, _module_name(b): b})
+        loops = _lazy_loops(mods)
+        assert any("_layout_probe_a" in lp and "_layout_probe_b" in lp for lp in loops)
+    finally:
+        a.unlink()
+        b.unlink()

@@ -1,5 +1,6 @@
-"""``dtrun up JOB --dry-run`` and ``dtrun prices``: what fits, what it costs, whether it fits the
-budget. Rents nothing, imports neither torch nor sky nor boto3."""
+"""``dtrun up``, its ``--dry-run`` and ``dtrun prices``: what fits, what it costs, whether it fits
+the budget, then (without ``--dry-run``) the run itself. The dry run rents nothing and imports
+neither torch nor sky nor boto3; the real run imports the controller when it starts."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from orchestrator.contract.errors import (
 if TYPE_CHECKING:  # the plan imports pydantic and the presets: only when a command runs
     from orchestrator.plan.estimate import Plan
     from orchestrator.plan.spec import JobSpec
+    from orchestrator.run.state import StateStore
 
 RENTABLE = ("runpod", "lambda", "vast", "modal")
 
@@ -346,6 +348,230 @@ def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None) -> None:
                          + (f" ({c[k]['reason']})" if c[k]["reason"] else ""))
         con.print(f"[bold]{name}[/]: " + "; ".join(parts) + f"; ≤{c['max_gpus_per_node']} GPUs/node")
 
+# ---- up ------------------------------------------------------------------------------------------
+
+def spawn_detached(store: StateStore, name: str, args: list[str]) -> int:
+    """Start ``python -m orchestrator.cli.detached ARGS`` in its own session; its pid once it
+    has claimed the job (or raise with its log's tail if it died first)."""
+    import os
+    import subprocess
+    import time
+
+    from orchestrator.contract.errors import EXIT_JOB_FAILED
+    from orchestrator.run.state import dtrun_home
+
+    logdir = dtrun_home() / "logs" / name
+    logdir.mkdir(parents=True, exist_ok=True)
+    log = logdir / "controller.log"
+    env = dict(os.environ, DTRUN_CONTROLLER_LOG=str(log))
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli.detached", *args],
+                                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env, cwd=os.getcwd())
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        row = store.get_job(name)
+        if row and row["controller_pid"] == proc.pid:
+            return proc.pid
+        rc = proc.poll()
+        if rc is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-10:])
+            from orchestrator.contract.errors import DtrunError
+
+            err = DtrunError(f"the detached controller exited ({rc}) before starting:\n{tail}")
+            err.exit_code = rc if rc in (2, 3, 4, 5, 6) else EXIT_JOB_FAILED
+            raise err
+        time.sleep(0.1)
+    return proc.pid
+
+
+def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = False, strict: bool = False,
+           force: bool = False) -> int:
+    from orchestrator.cli.jobs import _ask, _err, _tty_in, job_status
+    from orchestrator.contract.errors import EXIT_INTERRUPTED, ProviderRefused
+    from orchestrator.plan.estimate import make_plan
+    from orchestrator.plan.spec import load_spec
+    from orchestrator.run.datacheck import check_data_vocab
+    from orchestrator.run.state import TERMINAL_STATES, StateStore, dtrun_home
+
+    written = load_spec(job)
+    check_data_vocab(written, str(job))
+    # What the nodes run: auto resolved (degrees, micro-batch, checkpointing); the report judges
+    # the spec as written (what auto was allowed to change).
+    spec = run_spec(written)
+    plan = make_plan(spec, usable_only=True)
+    if plan.chosen is None and plan.unusable:
+        # Every offer is on a provider whose credentials are missing: exit 5 before any spend,
+        # naming the file to write (SkyPilot reads ~/.runpod/config.toml, not RUNPOD_API_KEY).
+        raise ProviderRefused("; ".join(plan.unusable.values()) + "; nothing rented")
+    report = plan_report(written, plan)
+    code = verdict_exit_code(written, plan, report, strict, force)
+    out = sys.stderr if json_out else sys.stdout
+    if not json_out:
+        print_plan(written, plan, report)
+    if code == EXIT_OK and report.get("does_not_fit"):
+        _err(f"warning: {FORCE_WARNING}")
+    if code != EXIT_OK:
+        if report.get("does_not_fit") and not force:
+            _err(f"the plan does not fit memory: {report['does_not_fit']}; nothing rented "
+                 "(--force rents it anyway)")
+        elif plan.chosen is None:
+            _err("no offer fits: " + ("; ".join(plan.refusals) or "no provider offers this GPU") + "; nothing rented")
+        elif code == EXIT_INVALID:
+            _err(f"--strict: {len(report.get('traps', []))} known trap(s); nothing rented")
+        else:
+            _err("the estimate is over budget.max_usd; nothing rented")
+        return code
+    check_run_uri_reachable(spec, plan, str(job))
+    _check_credentials(plan.chosen.provider)
+    # A remote node needs the object store's AWS credentials (exit 5 naming what to set).
+    from orchestrator.run.nodecreds import node_storage
+
+    node_storage(spec, plan.chosen.provider)
+
+    store = StateStore()
+    existing = store.get_job(spec.name)
+    if existing and StateStore.controller_alive(existing):
+        _err(f"{spec.name} is already running under controller pid {existing['controller_pid']}; "
+             f"see `dtrun status {spec.name}`, `dtrun logs {spec.name} -f`, or stop it with `dtrun down {spec.name}`")
+        return EXIT_INVALID
+    from orchestrator.contract import runuri
+
+    continuing = existing is not None and existing["state"] not in TERMINAL_STATES
+    if not continuing and runuri.exists(runuri.join(spec.run_uri, runuri.DONE)):
+        print(f"{spec.name} already finished: {spec.run_uri} has DONE (remove it to train again); nothing rented",
+              file=out)
+        if json_out:
+            st = job_status(store, existing) if existing else {"name": spec.name, "state": "SUCCEEDED"}
+            sys.stdout.write(json.dumps(st) + "\n")
+        return EXIT_OK
+    if continuing:
+        live = store.nodes(spec.name, live_only=True)
+        print(f"continuing {spec.name} ({existing['state']}, step {existing['step'] or 0}): "
+              f"re-attaching to {len(live)} live node(s); new attempts resume from the newest checkpoint", file=out)
+    else:
+        lc = runuri.latest_committed(spec.run_uri)
+        if lc:
+            print(f"{spec.run_uri} has a checkpoint at step {lc[0]}: the trainer resumes from it", file=out)
+
+    if not yes:
+        if not _tty_in():
+            _err("refusing to rent without confirmation: there is no terminal to ask on; "
+                 "pass --yes to start without asking")
+            return EXIT_INVALID
+        ans = _ask(f"Start {spec.name} on {plan.chosen.key()}? [y/N] ")
+        if ans not in ("y", "yes"):
+            print("not started; nothing rented")
+            return EXIT_INTERRUPTED
+
+    if not continuing:
+        # Before the expensive part: can the run URI hold a checkpoint that restores? (On by
+        # default for spot; `checkpoint.preflight` decides.) Raises PreflightError → one line.
+        from orchestrator.run.preflight import maybe_preflight
+
+        pf = maybe_preflight(spec)
+        if pf is not None:
+            print(f"restore preflight passed against {spec.run_uri} ({pf.seconds:.1f} s)", file=out)
+
+    if detach:
+        pid = spawn_detached(store, spec.name, ["--spec", str(Path(job).resolve())] + (["--force"] if force else []))
+        msg = (f"{spec.name}: controller running in the background (pid {pid}); "
+               f"log {dtrun_home() / 'logs' / spec.name / 'controller.log'}\n"
+               f"  dtrun status {spec.name}   dtrun logs {spec.name} -f   dtrun down {spec.name}")
+        print(msg, file=out)
+        if json_out:
+            row = store.get_job(spec.name)
+            sys.stdout.write(json.dumps(job_status(store, row) if row else {"name": spec.name}) + "\n")
+        return EXIT_OK
+    return _foreground(spec, plan, store, str(Path(job).resolve()), json_out)
+
+
+def _check_credentials(provider: str) -> None:
+    """The chosen offer's provider has credentials (its standard place), else exit 5 before the
+    controller starts: nothing rented, no provider SDK started."""
+    from orchestrator.contract.errors import ProviderRefused
+    from providers import errors as perr
+    from providers import registry
+
+    try:
+        registry.get(provider).check_credentials()
+    except perr.AuthError as e:
+        raise ProviderRefused(f"{e}; nothing rented") from None
+
+
+def _foreground(spec, plan, store: StateStore, spec_path: str, json_out: bool) -> int:
+    import signal
+
+    from orchestrator.cli.jobs import _ask, _fmt_wall, _tty_in, _tty_out, job_status
+    from orchestrator.cli.live import PlainView, RichView
+    from orchestrator.contract.errors import EXIT_JOB_FAILED
+    from orchestrator.run.controller import Controller
+    from orchestrator.run.state import TERMINAL_STATES
+
+    tty = _tty_out() and not json_out
+    view = RichView(store, spec.name) if tty else PlainView(store, spec.name, out=sys.stderr if json_out else None)
+    ctl = Controller(spec, store, plan=plan, spec_path=spec_path, on_event=view.event)
+    flag = {"n": 0}
+
+    def _sigint(signum, frame):
+        flag["n"] += 1
+
+    old = signal.signal(signal.SIGINT, _sigint)
+    old_term = signal.signal(signal.SIGTERM, _sigint)
+    try:
+        with view:
+            state = ctl.run(should_pause=lambda: flag["n"] > 0, on_tick=view.update)
+        while state == "INTERRUPTED":
+            choice = "t"
+            if _tty_in() and not json_out:
+                flag["n"] = 0
+                signal.signal(signal.SIGINT, old)
+                try:
+                    choice = _ask("\nInterrupted. [d]etach (keep running in the background), "
+                                  "[t]ear down (checkpoint, then terminate), [n]ow (terminate at once), "
+                                  "[c]ontinue? ") or "t"
+                except KeyboardInterrupt:
+                    choice = "n"
+                signal.signal(signal.SIGINT, _sigint)
+            else:
+                view.line("interrupted without a terminal: tearing down gracefully "
+                          "(checkpoint, then terminate; interrupt again to terminate at once)")
+            flag["n"] = 0
+            if choice.startswith("d"):
+                pid = spawn_detached(store, spec.name, ["--job", spec.name])
+                print(f"{spec.name}: detached; controller pid {pid}. "
+                      f"dtrun status {spec.name} / dtrun logs {spec.name} -f / dtrun down {spec.name}")
+                return EXIT_OK
+            if choice.startswith("t") or choice.startswith("n"):
+                store.request_action(spec.name, "stop_now" if choice.startswith("n") else "stop")
+
+            def pause() -> bool:
+                if flag["n"] > 0:
+                    store.request_action(spec.name, "stop_now")
+                    flag["n"] = 0
+                return False
+
+            with view:
+                state = ctl.run(should_pause=pause if not choice.startswith("c") else (lambda: flag["n"] > 0),
+                                on_tick=view.update)
+    finally:
+        signal.signal(signal.SIGINT, old)
+        signal.signal(signal.SIGTERM, old_term)
+        if ctl.started and ctl.state not in TERMINAL_STATES:
+            store.release_controller(spec.name)
+    s = ctl.summary()
+    job = store.get_job(spec.name) or {}
+    summary = (f"{state}: wall {_fmt_wall(s['wall_s'])}, cost ${s['cost_usd']:.4f}, {s['attempts']} attempt(s), "
+               f"{s['steps_lost']} steps lost to preemptions, step {s['step']}/{s['steps']}")
+    if json_out:
+        sys.stdout.write(json.dumps(job_status(store, job)) + "\n")
+        sys.stderr.write(summary + "\n")
+    else:
+        print(summary)
+        if state != "SUCCEEDED" and job.get("reason"):
+            print(f"reason: {job['reason']}")
+    return EXIT_OK if state == "SUCCEEDED" else EXIT_JOB_FAILED
+
 # ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------
 
 app = typer.Typer()
@@ -385,6 +611,4 @@ def up(
     """Estimate, confirm, then run the job to the end (or only estimate, with --dry-run)."""
     if dry_run:
         raise typer.Exit(cmd_dry_run(job, json_out, strict, force))
-    from orchestrator.cli.jobs import cmd_up
-
     raise typer.Exit(cmd_up(job, yes=yes, detach=detach, json_out=json_out, strict=strict, force=force))

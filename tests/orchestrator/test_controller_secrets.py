@@ -180,7 +180,7 @@ def test_s3_training_data_needs_credentials_too(world, monkeypatch, tmp_path):
 
 
 def test_dtrun_up_without_aws_credentials_is_exit_5(world, monkeypatch, tmp_path):
-    from orchestrator.cli.jobs import cmd_up
+    from orchestrator.cli.up import cmd_up
 
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(k)

@@ -101,10 +101,10 @@ def test_force_turns_the_refusal_into_a_warning(capsys, tmp_path):
 
 
 def test_up_refuses_and_rents_nothing_then_force_rents_with_a_warning(capsys, tmp_path, monkeypatch):
-    import orchestrator.cli.jobs as jobs
+    import orchestrator.cli.up as jobs
 
     rented = []
-    monkeypatch.setattr(jobs, "_check_run_uri_reachable", lambda *a: None)
+    monkeypatch.setattr(jobs, "check_run_uri_reachable", lambda *a: None)
     monkeypatch.setattr(jobs, "_check_credentials", lambda p: None)
     monkeypatch.setattr("orchestrator.run.nodecreds.node_storage", lambda spec, p: ({}, {}))
     monkeypatch.setattr("orchestrator.run.preflight.maybe_preflight", lambda spec: None)

@@ -142,7 +142,7 @@ def test_up_without_provider_credentials_is_exit_5_before_anything_starts(dtrun_
     # Documented: 5 = a provider refused (missing credentials), nothing rented. It used to start
     # the controller (whose orphan sweep starts SkyPilot's API server) and end FAILED, exit 1.
     from orchestrator.contract.errors import EXIT_PROVIDER, DtrunError
-    from orchestrator.cli.jobs import cmd_up
+    from orchestrator.cli.up import cmd_up
 
     monkeypatch.setenv("HOME", str(tmp_path))
     for k in ("RUNPOD_API_KEY", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "MODAL_CONFIG_PATH"):
@@ -164,7 +164,7 @@ def test_up_refuses_a_local_disk_run_uri_for_remote_nodes(dtrun_home, tmp_path, 
     # job.yaml from (or write checkpoints to) this machine's disk, so the attempt could only fail
     # after provisioning was paid for. Refused before anything starts, naming the field.
     from orchestrator.contract.errors import EXIT_INVALID, DtrunError
-    from orchestrator.cli.jobs import cmd_up
+    from orchestrator.cli.up import cmd_up
 
     monkeypatch.setenv("RUNPOD_API_KEY", "rk-test")
     monkeypatch.setenv("HOME", str(tmp_path))
