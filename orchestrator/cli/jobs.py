@@ -123,9 +123,13 @@ def cmd_status(job: str | None, json_out: bool) -> int:
 
 def _print_status(st: dict[str, Any]) -> None:
     step = f"{st['step'] if st['step'] is not None else 0}/{st['steps'] or '?'}"
-    print(f"{st['name']}: {st['state']}" + (f" ({st['reason'].splitlines()[0]})" if st["reason"] else ""))
+    lines = (st["reason"] or "").splitlines()
+    print(f"{st['name']}: {st['state']}" + (f" ({lines[0]})" if lines else ""))
+    for line in lines[1:]:  # a FAILED reason's trainer log tail: the first line ends "last trainer log lines:"
+        print(f"  | {line}")
     val = f"  val loss {st['val_loss']:.4f}" if st.get("val_loss") is not None else ""
-    print(f"  step {step}  loss {st['loss'] if st['loss'] is not None else '—'}{val}  "
+    loss = f"{st['loss']:.4f}" if st["loss"] is not None else "—"
+    print(f"  step {step}  loss {loss}{val}  "
           f"cost ${st['cost_usd']:.4f}" + (f" of ${st['budget_usd']:.2f}" if st["budget_usd"] else "")
           + f"  attempts {st['attempts']}  steps lost {st['steps_lost']}")
     if st["controller_pid"]:

@@ -51,11 +51,38 @@ def _money(x: float | None) -> str:
 
 
 def _hours(h: float) -> str:
+    """Hours, always in hours (a column of "0.76 h" next to "45.4 min" reads wrong)."""
     if math.isinf(h):
         return "∞"
-    if h < 1:
-        return f"{h * 60:.1f} min"
-    return f"{h:.2f} h"
+    return f"{h:,.1f} h" if h >= 10 else f"{h:.2f} h" if h >= 0.1 or h == 0 else f"{h:.3f} h"
+
+
+def _flops(x: float) -> str:
+    """A peak rate readable for a CPU (50 GFLOP/s, not "0 TFLOP/s") and for a GPU."""
+    return f"{x / 1e12:,.0f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:,.0f} GFLOP/s"
+
+
+def is_free(o: Any) -> bool:
+    """An offer on this machine: nothing is rented, so it has no price (not a price of $0)."""
+    return o.provider in ON_THIS_MACHINE and o.price_per_gpu_hour == 0
+
+
+def price_note(o: Any) -> str:
+    """The offers table's footnote text for an offer's price: where it came from."""
+    if is_free(o):
+        return f"{o.provider}: no price ({o.price_source}; nothing is rented)"
+    return o.price_source
+
+
+def footnotes(notes: list[str]) -> tuple[list[int], list[str]]:
+    """(footnote number per row, the distinct notes in first-seen order)."""
+    distinct: list[str] = []
+    nums = []
+    for n in notes:
+        if n not in distinct:
+            distinct.append(n)
+        nums.append(distinct.index(n) + 1)
+    return nums, distinct
 
 
 FORCE_WARNING = ("--force: renting a plan that does NOT fit the GPU's memory by the planner's bytes: "
@@ -102,7 +129,7 @@ def _memory_and_traps(spec: JobSpec, plan: Plan, offer_rows: list[dict[str, Any]
     if spec.trainer.parallel != "auto" and gpu == spec.resources.gpu:
         mine = planner.evaluate_spec_parallel(spec)  # what the nodes will run: the degrees you wrote
         if mine is not None:
-            out["plan"]["spec_parallel"] = mine.to_dict()
+            out["plan"]["spec_parallel"] = {**mine.to_dict(), "set_by_user": "parallel" in spec.trainer.model_fields_set}
     out["fits_memory"] = why is None
     out["does_not_fit"] = why
     # Which offers fit: the memory plan per distinct (GPU, GPUs per node, nodes) of the offers.
@@ -133,6 +160,9 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
     con.print(f"[bold]{spec.name}[/]: {spec.trainer.model if isinstance(spec.trainer.model, str) else 'custom model'}, "
               f"{spec.trainer.total_steps:,} steps ({spec.trainer.total_tokens:,} tokens) on "
               f"{r.nodes}×{r.gpus_per_node} {r.gpu} ({spot_word}); run URI {spec.run_uri}")
+    from rich import box
+    from rich.markup import escape
+
     if plan.offers:
         rows = report.get("offers") or []
         fit = [bool(r.get("fits_memory", True)) for r in rows] or [True] * len(plan.offers)
@@ -140,34 +170,42 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
         title = ("Offers (cheapest expected cost first); every one fits memory" if n_fit == len(fit)
                  else f"Offers (cheapest expected cost first); {n_fit} of {len(fit)} fit memory"
                  if n_fit else "Offers (cheapest expected cost first); NONE fits memory")
-        t = Table(title=title, title_justify="left")
+        # Fits 100 columns: the price source, often a long sentence, is a numbered footnote.
+        t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+                  collapse_padding=True, show_edge=False)
         for col, j in [("#", "right"), ("provider", "left"), ("region", "left"), ("gpu", "left"),
-                       ("nodes×gpus", "right"), ("spot", "left"), ("$/GPU-h", "right"),
+                       ("n×gpu", "right"), ("spot", "left"), ("$/GPU-h", "right"),
                        ("$/h", "right"), ("hours", "right"), ("est. $", "right"), ("fits", "left"),
-                       ("price source", "left")]:
-            t.add_column(col, justify=j)  # type: ignore[arg-type]
+                       ("src", "right")]:
+            t.add_column(col, justify=j, no_wrap=True)  # type: ignore[arg-type]
+        nums, notes = footnotes([price_note(o) for o in plan.offers])
         for i, (o, e) in enumerate(zip(plan.offers, plan.estimates), 1):
             ok = fit[i - 1] if i - 1 < len(fit) else True
             style = ("bold green" if ok else "red") if i == 1 else (None if ok else "red")
+            free = is_free(o)
             t.add_row(str(i), o.provider, o.region, o.gpu, f"{o.nodes}×{o.gpus_per_node}",
-                      "spot" if o.spot else "on-demand", f"{o.price_per_gpu_hour:.2f}",
-                      f"{o.price_per_hour:.2f}", _hours(e.hours), _money(e.cost_usd),
-                      "yes" if ok else "NO (memory)", o.price_source, style=style)
+                      "spot" if o.spot else "on-dem.", "-" if free else f"{o.price_per_gpu_hour:.2f}",
+                      "-" if free else f"{o.price_per_hour:.2f}", _hours(e.hours),
+                      "-" if free else _money(e.cost_usd), "yes" if ok else "NO: mem", f"[{nums[i - 1]}]",
+                      style=style)
         con.print(t)
-    from rich.markup import escape
-
+        for k, note in enumerate(notes, 1):
+            con.print(escape(f"[{k}] {note}"))
     for reason in plan.refusals:
         con.print(f"[yellow]not offered:[/] {escape(reason)}")  # reasons quote `[default]`
     est = plan.estimate
     if plan.chosen and est:
         b = est.breakdown
-        con.print(f"[bold]Chosen:[/] {plan.chosen.key()} at ${plan.chosen.price_per_gpu_hour:.2f}/GPU-h "
-                  f"× {b['gpus']} GPUs = ${b['price_per_hour']:.2f}/h")
+        if is_free(plan.chosen):
+            con.print(f"[bold]Chosen:[/] {plan.chosen.key()} ({b['gpus']} ranks): {plan.chosen.provider}: no price")
+        else:
+            con.print(f"[bold]Chosen:[/] {plan.chosen.key()} at ${plan.chosen.price_per_gpu_hour:.2f}/GPU-h "
+                      f"× {b['gpus']} GPUs = ${b['price_per_hour']:.2f}/h")
         if b["hours_source"] == "budget.hours":
             con.print(f"  hours          {_hours(spec.budget.hours or 0)} (budget.hours)")
         else:
             con.print(f"  compute        {_hours(b['compute_hours'])}  = 6 × {b['active_params'] / 1e6:,.1f}M params "
-                      f"× {b['tokens'] / 1e9:,.3g}B tokens / ({b['gpus']} × {b['peak_flops_per_gpu'] / 1e12:,.0f} TFLOP/s "
+                      f"× {b['tokens'] / 1e9:,.3g}B tokens / ({b['gpus']} × {_flops(b['peak_flops_per_gpu'])} "
                       f"× MFU {b['mfu']:.2f})")
             su = b.get("startup") or {}
             con.print(f"  start-up       {_hours(b['startup_hours'])}  (per start: provisioning "
@@ -179,8 +217,11 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
         if b["preemptions_per_hour"]:
             con.print(f"  preemptions    {_hours(b['preemption_overhead_hours'])}  "
                       f"(~{b['expected_preemptions']:.1f} at {b['preemptions_per_hour']:g}/h: restart + half an interval each)")
-        con.print(f"  total          {_hours(est.hours)} → expected {_money(est.expected_usd)}, "
-                  f"with {est.buffer:.0%} buffer [bold]{_money(est.cost_usd)}[/]")
+        if is_free(plan.chosen):
+            con.print(f"  total          {_hours(est.hours)} (nothing rented: no money spent)")
+        else:
+            con.print(f"  total          {_hours(est.hours)} → expected {_money(est.expected_usd)}, "
+                      f"with {est.buffer:.0%} buffer [bold]{_money(est.cost_usd)}[/]")
     mem = report.get("plan")
     if mem:
         ok = report.get("fits_memory", mem.get("fits"))
@@ -188,7 +229,8 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
         auto = mem.get("auto") or {}
         sp = mem.get("spec_parallel")
         if sp:
-            con.print(f"[bold]Memory:[/] your trainer.parallel ({sp['strategy']}) → {sp['memory_per_gpu_gb']:.1f} GB "
+            whose = "your trainer.parallel" if sp.get("set_by_user", True) else "the default trainer.parallel (none set)"
+            con.print(f"[bold]Memory:[/] {whose} ({sp['strategy']}) → {sp['memory_per_gpu_gb']:.1f} GB "
                       f"per GPU ({'fits' if sp['fits'] else 'does NOT fit'}); the planner's pick would be "
                       f"{mem.get('strategy')} at {mem.get('memory_per_gpu_gb', 0):.1f} GB")
         else:

@@ -252,8 +252,8 @@ def _startup_share(c: _Ctx) -> Trap | None:
     each pays the start-up again."""
     from orchestrator.plan.estimate import estimate_offer
 
-    if c.offer is None or c.spec.budget.hours is not None:
-        return None
+    if c.offer is None or c.spec.budget.hours is not None or c.offer.price_per_gpu_hour == 0:
+        return None  # (a free offer, this machine: start-up costs time, not money)
     est, _ = estimate_offer(c.spec, c.offer)
     b = est.breakdown
     startup_h = b["startup_hours"]

@@ -1066,7 +1066,9 @@ class Controller:
 
     def _fail_now(self, n: int, reason: str, tail: str) -> None:
         self._end_attempt(n, "failed", reason)
-        full = reason + (f"; last trainer log lines:\n{tail}" if tail else "")
+        tail = tail.strip("\n")
+        full = reason + (f"; last trainer log lines:\n{tail}" if tail.strip()
+                         else "; the node left no trainer log lines (nothing was read from its log)")
         self._begin_stop("FAILED", full, write_stop=False)
 
     def _begin_recovery(self, outcome: str, reason: str, planned: bool = False) -> None:

@@ -366,3 +366,14 @@ def test_auto_settings_are_resolved_before_the_nodes_see_them(world, tmp_path):
     assert isinstance(sent["trainer"]["parallel"], dict) and sent["trainer"]["parallel"]["dp_shard"] >= 1
     world["store"].request_action("fakejob", "stop_now")
     assert c.run() == "CANCELLED"
+
+
+def test_a_failed_reason_says_when_the_node_left_no_log_lines(world, tmp_path, monkeypatch):
+    """The reason never ends in an empty "last trainer log lines:" (issue 23)."""
+    cloud = world["cloud"]
+    cloud.script("dtrun-fakejob-a1", exit_after=300, exit_code=1)
+    monkeypatch.setattr(cloud, "logs", lambda handle, tail=200: "\n \n")
+    c = world["make"](make_spec(tmp_path, recovery={"max_restarts_on_errors": 0}))
+    assert c.run() == "FAILED"
+    reason = world["store"].get_job("fakejob")["reason"]
+    assert "last trainer log lines" not in reason and "left no trainer log lines" in reason
