@@ -123,7 +123,8 @@ def _memory_and_traps(spec: JobSpec, plan: Plan, offer_rows: list[dict[str, Any]
     from orchestrator.plan import planner, traps
 
     out: dict[str, Any] = {}
-    gpu = plan.chosen.gpu if plan.chosen else spec.resources.gpu
+    shown, _ = plan.shown
+    gpu = shown.gpu if shown else spec.resources.gpu
     mem, why = planner.fit_check(spec, gpu=gpu)
     out["plan"] = mem.to_dict()
     if spec.trainer.parallel != "auto" and gpu == spec.resources.gpu:
@@ -134,7 +135,7 @@ def _memory_and_traps(spec: JobSpec, plan: Plan, offer_rows: list[dict[str, Any]
     out["does_not_fit"] = why
     # Which offers fit: the memory plan per distinct (GPU, GPUs per node, nodes) of the offers.
     seen: dict[tuple, bool] = {}
-    for row, o in zip(offer_rows, plan.offers):
+    for row, (o, _e, _u) in zip(offer_rows, plan.ranked()):
         key = (o.gpu, o.gpus_per_node, max(o.nodes, spec.resources.nodes))
         if key not in seen:
             if key == (gpu, spec.resources.gpus_per_node, spec.resources.nodes):
@@ -144,13 +145,14 @@ def _memory_and_traps(spec: JobSpec, plan: Plan, offer_rows: list[dict[str, Any]
                     update={"gpu": key[0], "gpus_per_node": key[1], "nodes": key[2]})})
                 seen[key] = planner.fit_check(alt, gpu=key[0])[1] is None
         row["fits_memory"] = seen[key]
-    found = traps.find_traps(spec, plan.chosen, mem)
+    found = traps.find_traps(spec, shown, mem)
     out["traps"] = [{"code": t.code, "message": t.message} for t in found]
     return out
 
 
 def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, console=None) -> None:
     """Human-readable plan: ranked offers, the choice, the breakdown, the budget verdict."""
+    from rich.markup import escape
     from rich.table import Table
 
     con = console or _console()
@@ -163,13 +165,17 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
     from rich import box
     from rich.markup import escape
 
-    if plan.offers:
+    ranked = plan.ranked()
+    if ranked:
         rows = report.get("offers") or []
-        fit = [bool(r.get("fits_memory", True)) for r in rows] or [True] * len(plan.offers)
+        fit = [bool(r.get("fits_memory", True)) for r in rows] or [True] * len(ranked)
         n_fit = sum(fit)
         title = ("Offers (cheapest expected cost first); every one fits memory" if n_fit == len(fit)
                  else f"Offers (cheapest expected cost first); {n_fit} of {len(fit)} fit memory"
                  if n_fit else "Offers (cheapest expected cost first); NONE fits memory")
+        if plan.locked:
+            title += ("; NONE rentable from here yet: * needs credentials" if not plan.offers
+                      else f"; the {len(plan.locked)} below the line (*) need credentials")
         # Fits 100 columns: the price source, often a long sentence, is a numbered footnote.
         t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
                   collapse_padding=True, show_edge=False)
@@ -178,12 +184,16 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
                        ("$/h", "right"), ("hours", "right"), ("est. $", "right"), ("fits", "left"),
                        ("src", "right")]:
             t.add_column(col, justify=j, no_wrap=True)  # type: ignore[arg-type]
-        nums, notes = footnotes([price_note(o) for o in plan.offers])
-        for i, (o, e) in enumerate(zip(plan.offers, plan.estimates), 1):
+        nums, notes = footnotes([price_note(o) for o, _e, _u in ranked])
+        for i, (o, e, usable) in enumerate(ranked, 1):
             ok = fit[i - 1] if i - 1 < len(fit) else True
-            style = ("bold green" if ok else "red") if i == 1 else (None if ok else "red")
+            if not usable and i - 1 == len(plan.offers) and plan.offers:
+                t.add_section()  # the line: offers below it need credentials
+            style = ("bold green" if ok else "red") if i == 1 and usable else (None if ok else "red")
+            if not usable:
+                style = "dim" if ok else "dim red"
             free = is_free(o)
-            t.add_row(str(i), o.provider, o.region, o.gpu, f"{o.nodes}×{o.gpus_per_node}",
+            t.add_row(str(i), o.provider + ("" if usable else "*"), o.region, o.gpu, f"{o.nodes}×{o.gpus_per_node}",
                       "spot" if o.spot else "on-dem.", "-" if free else f"{o.price_per_gpu_hour:.2f}",
                       "-" if free else f"{o.price_per_hour:.2f}", _hours(e.hours),
                       "-" if free else _money(e.cost_usd), "yes" if ok else "NO: mem", f"[{nums[i - 1]}]",
@@ -191,15 +201,19 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
         con.print(t)
         for k, note in enumerate(notes, 1):
             con.print(escape(f"[{k}] {note}"))
+    for name, why in plan.unusable.items():
+        con.print(f"[yellow]* needs credentials:[/] {escape(why)}")
     for reason in plan.refusals:
         con.print(f"[yellow]not offered:[/] {escape(reason)}")  # reasons quote `[default]`
-    est = plan.estimate
-    if plan.chosen and est:
+    shown, est = plan.shown
+    if shown and est:
         b = est.breakdown
-        if is_free(plan.chosen):
-            con.print(f"[bold]Chosen:[/] {plan.chosen.key()} ({b['gpus']} ranks): {plan.chosen.provider}: no price")
+        head = ("[bold]Chosen:[/]" if plan.chosen else
+                "[bold]Would choose[/] (once its credentials are set; nothing can be rented yet):")
+        if is_free(shown):
+            con.print(f"{head} {shown.key()} ({b['gpus']} ranks): {shown.provider}: no price")
         else:
-            con.print(f"[bold]Chosen:[/] {plan.chosen.key()} at ${plan.chosen.price_per_gpu_hour:.2f}/GPU-h "
+            con.print(f"{head} {shown.key()} at ${shown.price_per_gpu_hour:.2f}/GPU-h "
                       f"× {b['gpus']} GPUs = ${b['price_per_hour']:.2f}/h")
         if b["hours_source"] == "budget.hours":
             con.print(f"  hours          {_hours(spec.budget.hours or 0)} (budget.hours)")
@@ -217,7 +231,7 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
         if b["preemptions_per_hour"]:
             con.print(f"  preemptions    {_hours(b['preemption_overhead_hours'])}  "
                       f"(~{b['expected_preemptions']:.1f} at {b['preemptions_per_hour']:g}/h: restart + half an interval each)")
-        if is_free(plan.chosen):
+        if is_free(shown):
             con.print(f"  total          {_hours(est.hours)} (nothing rented: no money spent)")
         else:
             con.print(f"  total          {_hours(est.hours)} → expected {_money(est.expected_usd)}, "
@@ -314,7 +328,13 @@ def cmd_dry_run(job: Path, json_out: bool, strict: bool = False, force: bool = F
     if plan.chosen is None:
         from rich.markup import escape
 
-        if plan.unusable:
+        if plan.would_choose is not None:
+            w = plan.would_choose
+            _console(stderr=True).print(
+                f"[red]No usable provider (nothing rented; exit 5):[/] would choose {escape(w.key())} once its "
+                f"credentials are set: {escape(plan.unusable.get(w.provider, ''))}. To explore without any "
+                f"account: `dtrun simulate {escape(str(job))}` (the real controller on a fake cloud).")
+        elif plan.unusable:
             why = "; ".join(plan.unusable.values())
             _console(stderr=True).print(f"[red]No usable provider (nothing rented; exit 5):[/] {escape(why)}")
         else:

@@ -72,12 +72,36 @@ class Plan:
     step_seconds: float
     checkpoint_every_steps: int
     unusable: dict[str, str] = field(default_factory=dict)
-    """Providers left out because they cannot be used from here (no credentials SkyPilot or the
-    SDK would read): name → the message naming what to set. Their offers are not ranked."""
+    """Providers that cannot be used from here (no credentials SkyPilot or the SDK would read):
+    name → the message naming what to set. Their offers are in ``locked``, never in ``offers``."""
+    locked: list[Offer] = field(default_factory=list)
+    """Offers of the ``unusable`` providers, ranked like ``offers``: priced and shown ("needs
+    credentials"), never rented (the controller fails over across ``offers`` only)."""
+    locked_estimates: list[Estimate] = field(default_factory=list)
 
     @property
     def within_budget(self) -> bool:
         return self.estimate is not None and self.estimate.within_budget
+
+    @property
+    def would_choose(self) -> Offer | None:
+        """With no usable offer: the one dtrun would rent once its provider's credentials are set."""
+        return self.locked[0] if self.chosen is None and self.locked else None
+
+    @property
+    def shown(self) -> tuple[Offer | None, Estimate | None]:
+        """The offer the estimate is shown for: the chosen one, else the one it would choose."""
+        if self.chosen is not None:
+            return self.chosen, self.estimate
+        if self.locked:
+            return self.locked[0], self.locked_estimates[0]
+        return None, None
+
+    def ranked(self) -> list[tuple[Offer, Estimate, bool]]:
+        """Every priced offer as (offer, estimate, usable): usable ones first, then the ones
+        that need credentials, each group cheapest first."""
+        return ([(o, e, True) for o, e in zip(self.offers, self.estimates)]
+                + [(o, e, False) for o, e in zip(self.locked, self.locked_estimates)])
 
     def to_dict(self) -> dict[str, Any]:
         def offer_row(o: Offer, e: Estimate) -> dict[str, Any]:
@@ -86,16 +110,26 @@ class Plan:
                      cost_usd=round(e.cost_usd, 4))
             return d
 
-        est = self.estimate
+        def ranked_row(o: Offer, e: Estimate, usable: bool) -> dict[str, Any]:
+            d = offer_row(o, e)
+            d["usable"] = usable
+            d["fix"] = None if usable else self.unusable.get(o.provider)
+            return d
+
+        shown, est = self.shown
+        would = self.would_choose
         return {
-            "offers": [offer_row(o, e) for o, e in zip(self.offers, self.estimates)],
-            "chosen": offer_row(self.chosen, est) if self.chosen and est else None,
+            "offers": [ranked_row(o, e, u) for o, e, u in self.ranked()],
+            "usable": self.chosen is not None,
+            "chosen": ranked_row(self.chosen, est, True) if self.chosen and est else None,
+            "would_choose": (dict(offer_row(would, est), fix=self.unusable.get(would.provider))
+                             if would is not None and est else None),
             "hours": round(est.hours, 4) if est else None,
             "expected_usd": round(est.expected_usd, 4) if est else None,
             "cost_usd": round(est.cost_usd, 4) if est else None,
             "buffer": est.buffer if est else None,
             "budget_usd": est.budget_usd if est else None,
-            "within_budget": self.within_budget,
+            "within_budget": est is not None and est.within_budget,
             "breakdown": est.breakdown if est else None,
             "refusals": self.refusals,
             "unusable": self.unusable,
@@ -306,12 +340,14 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
 
 
 def gather_offers(spec: JobSpec, usable_only: bool = False,
-                  unusable: dict[str, str] | None = None, get: Any = None) -> tuple[list[Offer], list[str]]:
+                  unusable: dict[str, str] | None = None, get: Any = None,
+                  locked: list[Offer] | None = None) -> tuple[list[Offer], list[str]]:
     """Offers from every provider named in the spec, and why others were refused.
 
     ``usable_only``: a provider whose ``check_credentials`` fails (offline: no network) is
-    refused with its message (what to set) and recorded in ``unusable``; its offers are left
-    out, so the plan picks the cheapest offer the user can actually rent."""
+    recorded in ``unusable`` with its message (what to set) and its offers go to ``locked``
+    (priced and shown, never rented), so the plan picks the cheapest offer the user can
+    actually rent."""
     if get is None:
         from providers import registry
 
@@ -338,9 +374,12 @@ def gather_offers(spec: JobSpec, usable_only: bool = False,
             try:
                 provider.check_credentials()
             except perr.AuthError as e:
-                refusals.append(str(e))
                 if unusable is not None:
                     unusable[name] = str(e)
+                if locked is not None:
+                    locked.extend(found)
+                else:
+                    refusals.append(str(e))
                 continue
         offers.extend(found)
     return offers, refusals
@@ -353,18 +392,25 @@ def make_plan(spec: JobSpec, preemptions_per_hour: float | None = None,
     run); the others are refused with what to set (``Plan.unusable``)."""
     refusals: list[str] = []
     unusable: dict[str, str] = {}
+    locked: list[Offer] = []
     if offers is None:
-        offers, refusals = gather_offers(spec, usable_only=usable_only, unusable=unusable, get=get)
-    scored = []
-    for o in offers:
-        est, every = estimate_offer(spec, o, preemptions_per_hour)
-        scored.append((est.expected_usd, o.price_per_gpu_hour, o.key(), o, est, every))
-    scored.sort(key=lambda s: s[:3])
+        offers, refusals = gather_offers(spec, usable_only=usable_only, unusable=unusable, get=get, locked=locked)
+
+    def rank(offers: list[Offer]) -> list[tuple]:
+        scored = []
+        for o in offers:
+            est, every = estimate_offer(spec, o, preemptions_per_hour)
+            scored.append((est.expected_usd, o.price_per_gpu_hour, o.key(), o, est, every))
+        return sorted(scored, key=lambda s: s[:3])
+
+    scored, scored_locked = rank(offers), rank(locked)
     ranked = [s[3] for s in scored]
     ests = [s[4] for s in scored]
     chosen = ranked[0] if ranked else None
     est = ests[0] if ests else None
-    every = scored[0][5] if scored else (spec.checkpoint.every_steps if spec.checkpoint.every_steps != "auto" else 0)
-    step_s = est.breakdown["step_seconds"] if est else step_seconds(spec)
+    first = scored[0] if scored else scored_locked[0] if scored_locked else None
+    every = first[5] if first else (spec.checkpoint.every_steps if spec.checkpoint.every_steps != "auto" else 0)
+    step_s = first[4].breakdown["step_seconds"] if first else step_seconds(spec)
     return Plan(offers=ranked, estimates=ests, chosen=chosen, estimate=est, refusals=refusals,
-                step_seconds=step_s, checkpoint_every_steps=int(every), unusable=unusable)
+                step_seconds=step_s, checkpoint_every_steps=int(every), unusable=unusable,
+                locked=[s[3] for s in scored_locked], locked_estimates=[s[4] for s in scored_locked])

@@ -221,7 +221,11 @@ def test_only_lambda_keys_rents_lambda_and_lists_the_others_with_the_fix(sky_off
     rc = main(["up", "jobs/gpt2-124m.yaml", "--dry-run", "--json"])
     out = yaml.safe_load(capsys.readouterr().out)
     assert out["chosen"]["provider"] == "lambda"
-    assert {o["provider"] for o in out["offers"]} == {"lambda"}
+    # lambda's offers first (rentable), the others after them, priced, each with its fix
+    usable = [o["usable"] for o in out["offers"]]
+    assert usable == sorted(usable, reverse=True) and out["usable"] is True
+    assert {o["provider"] for o in out["offers"] if o["usable"]} == {"lambda"}
+    assert all(o["fix"] == out["unusable"][o["provider"]] for o in out["offers"] if not o["usable"])
     assert set(out["unusable"]) >= {"runpod", "vast"}
     assert "~/.runpod/config.toml" in out["unusable"]["runpod"] and "runpod config" in out["unusable"]["runpod"]
     assert "RUNPOD_API_KEY is set, but SkyPilot does not read it" in out["unusable"]["runpod"]
