@@ -2,9 +2,12 @@
 
 * ``ParallelDims(dp_shard, tp, ep, world_size)`` validated *before* any process group starts, with
   one error naming every factor and the world size.
-* ``build_meshes``: the dense mesh ``(dp_shard, tp)`` (or ``(dp_replicate, tp)`` for DDP-style
-  replication, HSDP with a shard group of one) and, for expert parallelism, a separate expert
-  mesh ``(dp_rep, ep)`` with ``dp_shard = dp_rep × ep``.
+* ``build_meshes``: the dense mesh ``(dp_shard, tp)``; ``(dp_replicate, dp_shard, tp)`` for HSDP
+  (``dp_replicate`` > 1: FSDP2 shards over ``dp_shard`` and replicates over ``dp_replicate``, so
+  the all-gathers and reduce-scatters stay inside a shard group — one node — and one gradient
+  all-reduce crosses them) or for DDP-style replication (``replicate``: HSDP with a shard group
+  of one); for expert parallelism, a separate expert mesh ``(dp_rep, ep)`` with
+  ``dp_shard = dp_rep × ep``.
 * ``parallelize``: tensor parallelism (column-wise wq/wk/wv/w1/w3, row-wise wo/w2; QK-norm as a
   head-sharded DTensor so its gradient sums over heads; embedding/head only when untied), then
   activation checkpointing, then torch.compile (GPU only), then FSDP2 ``fully_shard`` per block
@@ -14,7 +17,8 @@
   ranks holding the same experts; torchtitan's ``dp_shard_mod_ep``/``efsdp``): the weights arrive
   in the compute dtype from FSDP's all-gather and their gradients are reduce-scattered during
   backward, divided by dp like every other gradient (:func:`_shard_experts`).
-  Restrictions (clear errors): ep > 1 needs tp = 1; ``replicate`` needs ep = 1.
+  Restrictions (clear errors): ep > 1 needs tp = 1; ``replicate`` and ``dp_replicate`` > 1 need
+  ep = 1.
 * ``clip_grad_norm_``: global L2 norm over DTensor grads on several meshes.
 * ``sharded_state_bytes(model, optimizer)``: for the planner (issue 7) — bytes of *this rank's*
   local shards of parameters, gradients and optimizer state.
@@ -40,6 +44,7 @@ class ParallelDims:
     ep: int
     world_size: int
     replicate: bool = False
+    dp_replicate: int = 1
 
     @classmethod
     def from_spec(cls, spec: Any, world_size: int) -> "ParallelDims":
@@ -48,17 +53,22 @@ class ParallelDims:
         raw = spec.trainer.parallel
         if raw == "auto":
             return cls(world_size, 1, 1, world_size, False)
-        dp = raw.dp_shard if raw.dp_shard != -1 else max(1, world_size // raw.tp)
-        return cls(dp, raw.tp, raw.ep, world_size, raw.replicate)
+        rep = raw.dp_replicate
+        dp = raw.dp_shard if raw.dp_shard != -1 else max(1, world_size // (raw.tp * rep))
+        return cls(dp, raw.tp, raw.ep, world_size, raw.replicate, rep)
 
     def validate(self, model: ModelSpec | None = None) -> None:
-        d = f"dp_shard ({self.dp_shard}) × tp ({self.tp}), ep ({self.ep}), world size ({self.world_size})"
+        rep = f"dp_replicate ({self.dp_replicate}) × " if self.dp_replicate > 1 else ""
+        d = f"{rep}dp_shard ({self.dp_shard}) × tp ({self.tp}), ep ({self.ep}), world size ({self.world_size})"
         problems = []
-        if self.dp_shard < 1 or self.tp < 1 or self.ep < 1:
+        if self.dp_shard < 1 or self.tp < 1 or self.ep < 1 or self.dp_replicate < 1:
             problems.append("every degree must be ≥ 1")
-        elif self.dp_shard * self.tp != self.world_size:
-            problems.append(f"dp_shard × tp = {self.dp_shard * self.tp} must equal the world size "
+        elif self.dp_replicate * self.dp_shard * self.tp != self.world_size:
+            problems.append(f"{'dp_replicate × ' if rep else ''}dp_shard × tp = "
+                            f"{self.dp_replicate * self.dp_shard * self.tp} must equal the world size "
                             f"(torchrun --nproc-per-node × --nnodes)")
+        if self.dp_replicate > 1 and (self.replicate or self.ep > 1):
+            problems.append("dp_replicate > 1 (HSDP) with replicate: true or ep > 1 is not supported")
         if self.ep > 1 and self.dp_shard % self.ep:
             problems.append("ep must divide dp_shard")
         if self.ep > 1 and self.tp > 1:
@@ -79,7 +89,8 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        return self.dp_shard
+        """The data-parallel degree: every rank that reads its own slice of the batch."""
+        return self.dp_replicate * self.dp_shard
 
     @property
     def tp_enabled(self) -> bool:
@@ -91,7 +102,7 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
+        return self.dp > 1
 
     def dp_rank(self, rank: int) -> int:
         """Data-parallel rank of a global rank (tp is the innermost mesh dimension)."""
@@ -111,9 +122,11 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
 
     if dims.world_size == 1 and not dist.is_initialized():
         return Meshes(None, None, None, None)  # one process, no process group (python -m trainer)
-    if dims.replicate:
-        dense = init_device_mesh(device_type, (dims.dp, 1, dims.tp),
-                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    if dims.replicate or dims.dp_replicate > 1:
+        # HSDP: ranks (r, s, t) with global rank (r·dp_shard + s)·tp + t — a shard group is
+        # dp_shard × tp consecutive ranks, i.e. one node when dp_shard × tp = GPUs per node.
+        shape = (dims.dp, 1, dims.tp) if dims.replicate else (dims.dp_replicate, dims.dp_shard, dims.tp)
+        dense = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         fsdp = dense["dp_replicate", "dp_shard"] if dims.dp > 1 else None
     else:
         dense = init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=("dp_shard", "tp"))

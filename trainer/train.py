@@ -316,7 +316,8 @@ class Run:
                                dp=dims.dp, dp_rank=dp_rank) if vsrc is not None else None)
         if evaluator is not None:
             evaluator.check()
-        describe = {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate}
+        describe = {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate,
+                    "dp_replicate": dims.dp_replicate}
         ckpt = CheckpointManager(self.run_uri, keep=spec.checkpoint.keep, async_mode=spec.checkpoint.async_mode,
                                  rank=self.rank, world_size=self.world, dp_rank=dp_rank, describe=describe,
                                  pinned=on_gpu)
@@ -492,7 +493,8 @@ class Run:
                         "elapsed_s": time.time() - t_start, "param_digest": digest,
                         "val_loss": metrics.val_loss,
                         "world_size": self.world, "checkpoint_stall_s": ckpt.stall_s,
-                        "parallel": {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep},
+                        "parallel": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
+                                     "ep": dims.ep},
                         # per rank, after the last optimizer step (None if this attempt ran no step)
                         "state_bytes_per_rank": all_bytes,
                     })

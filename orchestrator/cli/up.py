@@ -252,6 +252,8 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
                       f"activation checkpointing {mem.get('activation_checkpointing')} → "
                       f"{mem.get('memory_per_gpu_gb', 0):.1f} GB per GPU ({fit})"
                       + (f"; auto chose {'; '.join(auto['changed'])}" if auto.get("changed") else ""))
+        if mem.get("why") and not sp:
+            con.print(f"  across nodes: {mem['why']}")
         if report.get("does_not_fit"):
             con.print(f"[red]Does not fit:[/] {report['does_not_fit']}")
     for trap in report.get("traps", []):

@@ -7,6 +7,12 @@ The ladder (lowest first; the planner picks the lowest rung that fits)::
     single        one GPU, nothing to distribute
     ddp           replicate everything, all-reduce gradients (the trainer: HSDP with a shard group
                   of one, ``parallel: {replicate: true}``)
+    hsdp-zero2/3  several nodes only: FSDP2 sharded within each node (``dp_shard`` = GPUs per
+                  node) and replicated across nodes (``dp_replicate`` = nodes). Parameter
+                  all-gathers and gradient reduce-scatters stay on the node's own links; one
+                  gradient all-reduce per step crosses the inter-node network. More memory than
+                  sharding over every GPU (the shard group is one node), far less traffic between
+                  nodes, so it comes before the fsdp rungs when there is more than one node.
     fsdp-zero2    FSDP2 fully_shard(reshard_after_forward=False): parameters, gradients and optimizer
                   state sharded at rest; gathered parameters kept from forward to backward
     fsdp-zero3    FSDP2 resharding after forward: only ~one block's parameters gathered at a time
@@ -199,8 +205,10 @@ def _local_shape(p: ParamShape, par: Parallel, dp_rank: int, tp_rank: int, ep_ra
     dp_rep = dp/ep ranks holding the same experts (``dp_rank // ep`` is the index there): dim 0
     of the E/ep local experts, or dim 1 (even) when dp_rep·ep exceeds E, as
     ``trainer.parallel._shard_experts`` does. DDP (replicate: HSDP with a shard group of one)
-    keeps the TP-local tensor whole."""
+    keeps the TP-local tensor whole. HSDP (``dp_replicate`` > 1) shards over ``dp_shard`` only:
+    the shard index is ``dp_rank mod dp_shard`` (the replicas hold the same shards)."""
     dp = par.dp_shard
+    dp_rank %= max(1, dp)
     shape = list(p.shape)
     split = _padded if padded else None
 
@@ -394,6 +402,8 @@ class MemoryPlan:
     """The activation checkpointing the plan was evaluated with (``auto_plan``: its choice)."""
     auto: dict[str, Any] | None = None
     """``auto_plan``: what auto was allowed to choose (``pinned``) and what it changed."""
+    why: str | None = None
+    """With several nodes: why this layout (HSDP or sharding over every GPU), for the dry run."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -414,7 +424,13 @@ class MemoryPlan:
             "fixed_overhead_gb": FIXED_OVERHEAD_BYTES / GB,
             "notes": list(self.notes),
             **({"auto": self.auto} if self.auto is not None else {}),
+            **({"why": self.why} if self.why else {}),
         }
+
+
+def dp_degree(par: Parallel) -> int:
+    """Data-parallel ranks (each reads its own slice of the batch): dp_replicate × dp_shard."""
+    return max(1, par.dp_replicate) * max(1, par.dp_shard)
 
 
 def _divisors(n: int) -> list[int]:
@@ -430,6 +446,11 @@ def _candidate_rungs(spec: JobSpec, n: int, gpus_per_node: int) -> list[tuple[st
         return out
     bs_note = "" if t.batch_size % n == 0 else f"batch_size {t.batch_size} not divisible by {n} ranks"
     out.append(("ddp", Parallel(dp_shard=n, replicate=True), bs_note))
+    nodes = n // gpus_per_node
+    if nodes > 1 and gpus_per_node > 1:
+        for raf in (False, True):
+            out.append((f"hsdp-zero{3 if raf else 2}",
+                        Parallel(dp_replicate=nodes, dp_shard=gpus_per_node, reshard_after_forward=raf), bs_note))
     out.append(("fsdp-zero2", Parallel(dp_shard=n, reshard_after_forward=False), bs_note))
     out.append(("fsdp-zero3", Parallel(dp_shard=n), bs_note))
     eps = [1]
@@ -478,7 +499,7 @@ def planned_micro_batch(spec: JobSpec, par: Parallel) -> int:
     t = spec.trainer
     if t.micro_batch_size:
         return t.micro_batch_size
-    dp = max(1, par.dp_shard)
+    dp = dp_degree(par)
     per_dp = max(1, t.batch_size // dp)
     want = max(1, t.batch_size // (dp * par.tp))
     return max(m for m in range(1, want + 1) if per_dp % m == 0)
@@ -584,10 +605,37 @@ def plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None = None
         micro_batch_size=mb,
         notes=notes,
         activation_checkpointing=spec.trainer.activation_checkpointing,
+        why=multi_node_why(chosen.strategy, rungs, nn, gpn),
     )
     if not fits and suggest:
         p.suggestion = _suggest(spec, g, gpn, nn)
     return p
+
+
+def multi_node_why(strategy: str, rungs: list[Rung], nodes: int, gpus_per_node: int) -> str | None:
+    """The dry run's reason for the chosen layout across nodes (None on one node)."""
+    if nodes < 2:
+        return None
+    by = {r.strategy: r for r in rungs if not r.note}
+
+    def gb(name: str) -> str:
+        r = by.get(name)
+        return f"{r.memory_per_gpu_gb:.1f} GB/GPU" if r else "n/a"
+
+    if strategy.startswith("hsdp"):
+        return (f"{strategy}: sharded within each node (dp_shard {gpus_per_node}) and replicated across the "
+                f"{nodes} nodes (dp_replicate {nodes}): parameter all-gathers and gradient reduce-scatters stay on "
+                f"a node's own links, one gradient all-reduce per step crosses nodes; ddp needs {gb('ddp')} "
+                f"(does not fit)")
+    if strategy == "ddp":
+        return f"ddp fits ({gb('ddp')}): one gradient all-reduce per step crosses nodes, nothing else"
+    hs = [r for r in rungs if r.strategy.startswith("hsdp")]
+    if not hs:
+        return f"{strategy} across {nodes} nodes: no HSDP layout for this job"
+    if all(r.note for r in hs):
+        return f"{strategy} across {nodes} nodes: HSDP is not applicable ({hs[0].note})"
+    return (f"{strategy}: sharded over all {nodes * gpus_per_node} GPUs, every all-gather crosses nodes — "
+            f"HSDP (one node's shard group) needs {gb('hsdp-zero3')} and does not fit")
 
 
 def _fits_somewhere(spec: JobSpec, gpu: str, gpn: int, nodes: int) -> MemoryPlan | None:
@@ -647,7 +695,7 @@ def strategy_name(par: Parallel, n: int) -> str:
         return "single"
     if par.replicate and par.tp == 1 and par.ep == 1:
         return "ddp"
-    base = "fsdp-zero3" if par.reshard_after_forward else "fsdp-zero2"
+    base = ("hsdp" if par.dp_replicate > 1 else "fsdp") + ("-zero3" if par.reshard_after_forward else "-zero2")
     if par.tp > 1:
         base += f"+tp{par.tp}"
     if par.ep > 1:
@@ -720,7 +768,7 @@ def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None =
             else:
                 if default >> k < 1:
                     continue
-                mb = _mb_below(max(1, t.batch_size // max(1, par.dp_shard)), default >> k)
+                mb = _mb_below(max(1, t.batch_size // dp_degree(par)), default >> k)
             rung = evaluate_rung(spec, par, name, device, micro_batch=mb, checkpointing=ac)
             rung.fits = limit is None or rung.memory_bytes <= limit
             out.append((rung, mb))
@@ -756,7 +804,7 @@ def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None =
             continue
         default = planned_micro_batch(spec, par)
         m = default if pin["micro_batch_size"] else _mb_below(
-            max(1, t.batch_size // max(1, par.dp_shard)), min(default, mb))
+            max(1, t.batch_size // dp_degree(par)), min(default, mb))
         x = evaluate_rung(spec, par, name, device, micro_batch=m, checkpointing=ac)
         x.fits = limit is None or x.memory_bytes <= limit
         shown.append(x)
@@ -774,6 +822,7 @@ def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None =
         gpu_memory_gb=None if limit is None else GPUS[g].memory_gb, gpus_per_node=gpn, nodes=nn,
         micro_batch_size=mb, notes=notes, activation_checkpointing=ac,
         auto={"pinned": [k for k, v in pin.items() if v], "changed": changed},
+        why=multi_node_why(rung.strategy, shown, nn, gpn),
     )
     if not fits and suggest:
         p.suggestion = _suggest(spec, g, gpn, nn)
@@ -824,7 +873,7 @@ def resolve_parallel(spec: JobSpec, force: bool = False) -> JobSpec:
                          f"model does not fit: {why}")
     data = spec.model_dump(mode="json", exclude_none=True)
     data["trainer"]["parallel"] = p.parallel.model_dump()
-    if spec.trainer.micro_batch_size is None and p.micro_batch_size != spec.trainer.batch_size // p.parallel.dp_shard:
+    if spec.trainer.micro_batch_size is None and p.micro_batch_size != spec.trainer.batch_size // dp_degree(p.parallel):
         data["trainer"]["micro_batch_size"] = p.micro_batch_size  # TP or auto's smaller micro-batch
     data["trainer"]["activation_checkpointing"] = p.activation_checkpointing
     return JobSpec.model_validate(data)

@@ -81,8 +81,13 @@ class Resources(_Model):
 
 
 class Parallel(_Model):
-    """Parallel degrees. dp_shard × tp = GPUs in the job; ep divides dp_shard × tp."""
+    """Parallel degrees. dp_replicate × dp_shard × tp = GPUs in the job; ep divides dp_shard × tp."""
 
+    dp_replicate: int = Field(1, gt=0)
+    """HSDP: replicas of the FSDP shard group (FSDP2's 2-D mesh ``(dp_replicate, dp_shard)``): each
+    group of dp_shard ranks holds one sharded copy; gradients reduce-scatter inside a group and
+    all-reduce across groups. With several nodes, dp_shard = GPUs per node keeps the all-gathers
+    on the node's own links and only one gradient all-reduce crosses nodes. 1: plain FSDP."""
     dp_shard: int = Field(-1)
     """FSDP2 sharding degree; -1 means "whatever the other degrees leave"."""
     tp: int = Field(1, gt=0)
@@ -304,10 +309,18 @@ class JobSpec(_Model):
             if n % p.tp:
                 raise ValueError(f"trainer.parallel.tp ({p.tp}) must divide the job's GPUs "
                                  f"({r.nodes} nodes × {r.gpus_per_node} = {n})")
-            dp = p.dp_shard if p.dp_shard != -1 else n // p.tp
-            if dp * p.tp != n:
-                raise ValueError(f"trainer.parallel: dp_shard ({p.dp_shard}) × tp ({p.tp}) = {dp * p.tp} "
+            rep = p.dp_replicate
+            if n % (p.tp * rep):
+                raise ValueError(f"trainer.parallel: dp_replicate ({rep}) × tp ({p.tp}) must divide the job's "
+                                 f"GPUs ({r.nodes} nodes × {r.gpus_per_node} = {n})")
+            dp = p.dp_shard if p.dp_shard != -1 else n // (p.tp * rep)
+            if rep * dp * p.tp != n:
+                what = f"dp_replicate ({rep}) × " if rep > 1 else ""
+                raise ValueError(f"trainer.parallel: {what}dp_shard ({p.dp_shard}) × tp ({p.tp}) = {rep * dp * p.tp} "
                                  f"but the job has {n} GPUs ({r.nodes} nodes × {r.gpus_per_node})")
+            if rep > 1 and (p.replicate or p.ep > 1):
+                raise ValueError("trainer.parallel.dp_replicate > 1 (HSDP) cannot be combined with "
+                                 + ("replicate: true" if p.replicate else "ep > 1") + " in the bundled trainer")
             if n % p.ep or dp % p.ep:
                 raise ValueError(f"trainer.parallel.ep ({p.ep}) must divide dp_shard ({dp}) "
                                  f"(GPUs {n} = dp_shard {dp} × tp {p.tp})")
@@ -319,9 +332,9 @@ class JobSpec(_Model):
             if ms.n_heads % p.tp or ms.kv_heads % p.tp:
                 raise ValueError(f"trainer.parallel.tp ({p.tp}) must divide n_heads ({ms.n_heads}) "
                                  f"and n_kv_heads ({ms.kv_heads})")
-            if t.batch_size % dp:
+            if t.batch_size % (dp * rep):
                 raise ValueError(f"trainer.batch_size ({t.batch_size}) must be divisible by the "
-                                 f"data-parallel degree ({dp})")
+                                 f"data-parallel degree ({dp * rep})")
         if isinstance(self.checkpoint.every_steps, int) and t.steps is not None:
             pass
         return self
@@ -346,7 +359,7 @@ class JobSpec(_Model):
         n = self.resources.total_gpus
         if p == "auto":
             return Parallel(dp_shard=n, tp=1, ep=1)
-        dp = p.dp_shard if p.dp_shard != -1 else n // p.tp
+        dp = p.dp_shard if p.dp_shard != -1 else n // (p.tp * p.dp_replicate)
         return p.model_copy(update={"dp_shard": dp})
 
     @property

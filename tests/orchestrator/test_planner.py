@@ -12,6 +12,7 @@ from orchestrator.plan.planner import (
     DoesNotFit, activation_bytes, param_shapes, plan, resolve_parallel, state_bytes_per_rank,
 )
 from orchestrator.plan.presets import PRESETS, ModelSpec
+from orchestrator.contract.errors import SpecError
 from orchestrator.plan.spec import JobSpec, Parallel, parse_spec
 
 
@@ -171,3 +172,48 @@ def test_suggestion_includes_a_smaller_micro_batch():
     p = plan(job("llama3-8b", "H100", 8, 1, 8192, 64, "none"))  # 8 × 8k-token sequences per GPU
     assert not p.fits
     assert "trainer.micro_batch_size:" in p.suggestion and "activation_checkpointing: full" in p.suggestion
+
+
+def test_hsdp_across_nodes_when_ddp_does_not_fit():
+    """Two nodes of 8 H100: llama3-8b does not fit DDP; the planner picks HSDP (sharded within a
+    node, replicated across the two), counts it as one node's shard group, and says why."""
+    spec = job("llama3-8b", "H100", 8, 2, 1024, 64, "full")
+    p = plan(spec)
+    assert p.strategy == "hsdp-zero2" and p.fits
+    assert (p.parallel.dp_replicate, p.parallel.dp_shard, p.parallel.tp) == (2, 8, 1)
+    assert "dp_replicate 2" in p.why and "ddp needs" in p.why and "does not fit" in p.why
+    # Counted as sharded over one node's 8 GPUs (not 16): the same state bytes as FSDP on one node.
+    hs = next(r for r in p.rungs if r.strategy == "hsdp-zero3")
+    fs16 = next(r for r in p.rungs if r.strategy == "fsdp-zero3")
+    one_node = next(r for r in plan(job("llama3-8b", "H100", 8, 1, 1024, 64, "full")).rungs if r.strategy == "fsdp-zero3")
+    for k in ("params", "grads", "optimizer"):
+        assert hs.breakdown[k] == one_node.breakdown[k] > fs16.breakdown[k]
+    # Ladder: ddp → hsdp → fsdp over every GPU.
+    names = [r.strategy for r in p.rungs]
+    assert names.index("ddp") < names.index("hsdp-zero2") < names.index("hsdp-zero3") < names.index("fsdp-zero2")
+    # resolve_parallel writes the HSDP degrees into the job the nodes run (a valid spec).
+    out = resolve_parallel(spec)
+    assert (out.trainer.parallel.dp_replicate, out.trainer.parallel.dp_shard) == (2, 8)
+    # The shard index of a replica's rank is dp_rank mod dp_shard: rank 8 (node 2) = rank 0.
+    ms = spec.trainer.model_spec
+    assert state_bytes_per_rank(ms, p.parallel, dp_rank=8) == state_bytes_per_rank(ms, p.parallel, dp_rank=0)
+
+
+def test_no_hsdp_on_one_node_and_why_across_nodes_otherwise():
+    assert not any(r.strategy.startswith("hsdp") for r in plan(job("llama3-8b", "H100", 8, 1, 1024, 64, "full")).rungs)
+    assert plan(job("llama3-8b", "H100", 8, 1, 1024, 64, "full")).why is None
+    small = plan(job("gpt2-124m", "H100", 8, 2))
+    assert small.strategy == "ddp" and "ddp fits" in small.why
+
+
+def test_explicit_hsdp_degrees_validate_against_the_gpus():
+    spec = job("tiny", "H100", 4, 2, 128, 8, parallel={"dp_replicate": 2, "dp_shard": 4})
+    assert spec.parallel_degrees.dp_replicate == 2
+    assert job("tiny", "H100", 4, 2, 128, 8, parallel={"dp_replicate": 2}).parallel_degrees.dp_shard == 4
+    from orchestrator.plan.planner import strategy_name
+
+    assert strategy_name(spec.parallel_degrees, 8) == "hsdp-zero3"
+    with pytest.raises(SpecError, match=r"dp_replicate \(2\) × dp_shard \(8\) × tp \(1\) = 16"):
+        job("tiny", "H100", 4, 2, 128, 8, parallel={"dp_replicate": 2, "dp_shard": 8})
+    with pytest.raises(SpecError, match="HSDP"):
+        job("tiny-moe", "H100", 4, 2, 128, 8, parallel={"dp_replicate": 2, "dp_shard": 4, "ep": 2})

@@ -63,9 +63,10 @@ class Trainer:
         return path
 
     def start(self, job: Path, nproc: int, *, run_uri: str | None = None, env: dict | None = None,
-              torchrun: bool = True) -> subprocess.Popen:
+              torchrun: bool = True, launch: list[str] | None = None) -> subprocess.Popen:
+        """``launch``: torchrun's rendezvous flags instead of ``--standalone`` (one node of several)."""
         if torchrun:
-            cmd = [sys.executable, str(LAUNCH), "--standalone", f"--nproc-per-node={nproc}",
+            cmd = [sys.executable, str(LAUNCH), *(launch or ["--standalone"]), f"--nproc-per-node={nproc}",
                    "-m", "trainer", "--job", str(job)]
         else:
             cmd = [sys.executable, "-m", "trainer", "--job", str(job)]

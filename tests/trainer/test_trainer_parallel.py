@@ -126,6 +126,42 @@ def test_replicate_ddp_rung_world2_matches_world1(trainer, tmp_path, refs):
     assert all(r["params"] == 4 * n for r in runuri.read_json(runuri.join(uri, "DONE"))["state_bytes_per_rank"])
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_hsdp_two_nodes_of_two_ranks_matches_world1(trainer, tmp_path, refs):
+    """HSDP (dp_replicate 2 × dp_shard 2) as two "nodes": two torchrun launchers, --nnodes 2 with
+    a static rendezvous on 127.0.0.1 (what the node bootstrap runs on each node of a cluster).
+    Each node's two ranks shard the model; the two nodes hold a replica each: the run equals one
+    process, every rank holds half of the parameters, and the checkpoint records the layout."""
+    uri = f"file://{tmp_path}/hsdp"
+    job = trainer.job("hsdp", nproc=4, run_uri=uri, model=DENSE, steps=STEPS, optimizer="muon",
+                      activation_checkpointing="full", parallel={"dp_replicate": 2, "dp_shard": 2})
+    port = _free_port()
+    nodes = [trainer.start(job, 2, launch=["--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+                                             "--master-port", str(port)]) for r in (0, 1)]
+    outs = []
+    for p in nodes:
+        out, _ = p.communicate(timeout=240)
+        outs.append(out)
+        assert p.returncode == 0, out[-3000:]
+    _check_matches(refs["dense"], losses(uri))
+    done = runuri.read_json(runuri.join(uri, "DONE"))
+    assert done["world_size"] == 4 and done["parallel"]["dp_replicate"] == 2 and done["parallel"]["dp_shard"] == 2
+    n = ModelSpec(**DENSE).num_params()
+    per_rank = done["state_bytes_per_rank"]
+    # Sharded within a node (two halves per node), replicated across nodes: 2 × the model in all.
+    assert sum(r["params"] for r in per_rank) == 2 * 4 * n
+    assert all(r["params"] < 4 * n * 0.6 for r in per_rank)
+    commit = json.loads(open(runuri.local_path(runuri.checkpoint_uri(uri, STEPS)) + "/COMMITTED").read())
+    assert commit["parallel"]["dp_replicate"] == 2 and commit["world_size"] == 4
+
+
 def test_tp2_moe_matches_world1(trainer, tmp_path, refs):
     """MoE blocks under TP: router and experts run on each rank's sequence shard; their gradients
     are summed over TP."""
