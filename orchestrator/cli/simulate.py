@@ -35,7 +35,7 @@ def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: 
     typer.echo(f"  cost        mean ${p['cost_usd_mean']:.2f}   p95 ${p['cost_usd_p95']:.2f}   max ${p['cost_usd_max']:.2f}")
     ratio = p["expected_vs_simulated_mean"]
     ratio_s = f" (x{ratio:.2f} of the simulated mean)" if ratio is not None else ""
-    typer.echo(f"  estimate    expected ${p['expected_usd']:.2f}{ratio_s}   with buffer ${p['estimate_usd']:.2f} "
+    typer.echo(f"  estimate    expected ${p['expected_usd']:.2f}{ratio_s}   with {p.get('estimate_basis') or 'buffer'} ${p['estimate_usd']:.2f} "
                f"({'covers' if p['estimate_covers_p95'] else 'BELOW'} the p95)")
     typer.echo(f"  attempts    mean {p['attempts_mean']:.2f}   max {p['attempts_max']}   "
                f"preemptions mean {p['preemptions_mean']:.2f} (with notice {p['soft_preemptions_mean']:.2f}, "

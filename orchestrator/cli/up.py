@@ -217,10 +217,15 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
                       f"× {b['gpus']} GPUs = ${b['price_per_hour']:.2f}/h")
         if b["hours_source"] == "budget.hours":
             con.print(f"  hours          {_hours(spec.budget.hours or 0)} (budget.hours)")
+        elif b.get("step_floor_seconds") and b["step_seconds"] <= b["step_floor_seconds"]:
+            con.print(f"  compute        {_hours(b['compute_hours'])}  = {b['steps']:,} steps × {b['step_seconds'] * 1e3:.1f} ms, "
+                      f"the per-step floor (launching the step's kernels: operators × ~10 µs; the FLOPs alone "
+                      f"would take {_hours(b['steps'] * b['flops_step_seconds'] / 3600)})")
         else:
             con.print(f"  compute        {_hours(b['compute_hours'])}  = 6 × {b['active_params'] / 1e6:,.1f}M params "
                       f"× {b['tokens'] / 1e9:,.3g}B tokens / ({b['gpus']} × {_flops(b['peak_flops_per_gpu'])} "
                       f"× MFU {b['mfu']:.2f})")
+        if b["hours_source"] != "budget.hours":
             su = b.get("startup") or {}
             con.print(f"  start-up       {_hours(b['startup_hours'])}  (per start: provisioning "
                       f"{su.get('provisioning_minutes', 0):g} + setup {su.get('setup_minutes', 0):g}"
@@ -235,7 +240,7 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
             con.print(f"  total          {_hours(est.hours)} (nothing rented: no money spent)")
         else:
             con.print(f"  total          {_hours(est.hours)} → expected {_money(est.expected_usd)}, "
-                      f"with {est.buffer:.0%} buffer [bold]{_money(est.cost_usd)}[/]")
+                      f"with {b.get('buffer_basis') or f'{est.buffer:.0%} buffer'} [bold]{_money(est.cost_usd)}[/]")
     mem = report.get("plan")
     if mem:
         ok = report.get("fits_memory", mem.get("fits"))
@@ -259,11 +264,30 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
     for trap in report.get("traps", []):
         con.print(f"[yellow]warning[/] [{trap['code']}] {trap['message']}")
     if est:
-        if spec.budget.max_usd is None:
-            con.print("[yellow]Budget:[/] no budget.max_usd set: nothing caps the spend but budget.max_hours.")
-        elif est.within_budget:
+        dl = est.breakdown.get("deadline")
+        if dl:
+            trained = (f"by the deadline about {dl['steps_by_deadline']:,} of {spec.trainer.total_steps:,} steps "
+                       f"({dl['fraction_trained']:.0%}, {dl['tokens_by_deadline']:,} tokens) would be trained")
+            if dl["cut"]:
+                con.print(f"[yellow]Deadline:[/] the estimate ({_hours(dl['estimate_hours'])}) is longer than "
+                          f"budget.max_hours ({dl['max_hours']:g} h) and budget.cut_at_deadline is set: {trained}; "
+                          "priced up to the deadline.")
+            else:
+                con.print(f"[red]Deadline:[/] the estimate ({_hours(dl['estimate_hours'])}) is longer than "
+                          f"budget.max_hours ({dl['max_hours']:g} h): {trained}; nothing will be rented. Raise "
+                          "budget.max_hours, cut trainer.tokens/steps, or set budget.cut_at_deadline: true if "
+                          "the deadline is meant to cut the run.")
+        max_h = spec.budget.max_hours
+        if spec.budget.max_usd is None and max_h is None:
+            con.print("[yellow]Budget:[/] neither budget.max_usd nor budget.max_hours is set: nothing caps the spend.")
+        elif spec.budget.max_usd is None:
+            cap = est.breakdown["price_per_hour"] * max_h
+            con.print(f"[yellow]Budget:[/] no budget.max_usd set: only budget.max_hours ({max_h:g} h) caps the "
+                      f"spend, at about {_money(cap)} at the chosen offer's price.")
+        elif est.cost_usd <= spec.budget.max_usd:
             con.print(f"[green]Budget:[/] {_money(est.cost_usd)} ≤ {_money(spec.budget.max_usd)}: within budget"
-                      + (" — but the plan does not fit memory (see above)." if report.get("does_not_fit") else "."))
+                      + (" — but the plan does not fit memory (see above)." if report.get("does_not_fit")
+                         else " — but not within the deadline (above)." if dl and not dl["cut"] else "."))
         else:
             con.print(f"[red]Budget:[/] {_money(est.cost_usd)} > {_money(spec.budget.max_usd)}: over budget; "
                       "nothing will be rented. Raise budget.max_usd, cut trainer.tokens/steps, or allow cheaper offers.")

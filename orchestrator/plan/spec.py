@@ -241,6 +241,9 @@ class Budget(_Model):
     """Safety margin on the estimate (0.20 = +20%)."""
     max_hours: float | None = Field(None, gt=0)
     """Hard deadline in wall hours from the first launch: the run checkpoints and stops there."""
+    cut_at_deadline: bool = False
+    """The deadline is meant to cut the run short: a plan whose estimate is longer than
+    max_hours is accepted (priced up to the deadline) instead of refused (exit 3)."""
     mfu: float = Field(0.40, gt=0, le=1)
     """Model FLOPs utilisation assumed for derived hours."""
 

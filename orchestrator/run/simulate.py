@@ -485,6 +485,7 @@ def summarize(setup: Setup, results: list[RunResult]) -> dict[str, Any]:
         "orphan_instance_seconds": sum(r.orphan_s for r in results),
         "expected_usd": est.expected_usd,
         "estimate_usd": est.cost_usd,
+        "estimate_basis": est.breakdown.get("buffer_basis"),
         "estimate_hours": est.hours,
         "expected_vs_simulated_mean": est.expected_usd / mean_cost if mean_cost else None,
         "estimate_covers_p95": est.cost_usd >= _pct(costs, 0.95),
