@@ -32,7 +32,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e"
 
 # End-to-end suites against the emulated clouds in tests/e2e/ (slow; some need root).
+# The Lambda lab (tests/e2e/lambdalab) needs root, namespaces and sshd/rsync/sudo/tini: the script
+# installs the missing packages (apt); the lab's runtime cache is built once in /var/cache/dtrun-lab.
 e2e: $(STAMP)
+	tests/e2e/lambdalab/setup-host.sh
 	$(PY) -m pytest -q -m e2e tests/e2e
 
 bench: $(STAMP)
