@@ -38,6 +38,10 @@ What it does, in order:
    wrote ``DONE``), 75 when a forwarded SIGTERM ended it, otherwise the trainer's exit code.
 7. Runs ``DTRUN_SELF_TERMINATE`` (a shell command, remote nodes only) after the trainer exits,
    so the node removes itself even when no controller is left to do it.
+8. Reports itself to the run URI all along (``infra/node_report.py``): ``nodes/a<attempt>/
+   node-<rank>.json`` (rank, private IP, host, state, exit code) and ``node-<rank>.log`` (the
+   node's output: its own lines, torchrun's and the ranks', which it also passes through to its
+   stdout/stderr).
 
 Other environment (all optional but the first two): ``DTRUN_JOB``, ``DTRUN_ATTEMPT``,
 ``DTRUN_NPROC_PER_NODE`` (default: ``SKYPILOT_NUM_GPUS_PER_NODE``, ``RUNPOD_GPU_COUNT``,
@@ -71,6 +75,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from orchestrator.contract import runuri  # noqa: E402  (stdlib + lazily fsspec; never torch)
+from infra.node_report import NodeReport, node_ip, report_seconds  # noqa: E402
 
 EXIT_WATCHDOG = getattr(runuri, "EXIT_WATCHDOG", 76)
 EXIT_PREEMPTED = runuri.EXIT_PREEMPTED
@@ -84,9 +89,16 @@ PR_SET_CHILD_SUBREAPER = 36
 REASONS = ("budget", "deadline", "restart", "controller_lost", "idle")
 
 
+_REPORT: list[NodeReport] = []
+"""The node's report, once started: the bootstrap's own lines go into the node's log too."""
+
+
 def log(msg: str) -> None:
     stamp = time.strftime("%H:%M:%S", time.gmtime())
-    print(f"[dtrun-node {stamp}] {msg}", file=sys.stderr, flush=True)
+    line = f"[dtrun-node {stamp}] {msg}"
+    print(line, file=sys.stderr, flush=True)
+    for r in _REPORT:
+        r.feed((line + "\n").encode())
 
 
 # ---- configuration from the environment ----------------------------------------------------
@@ -520,12 +532,20 @@ def main() -> int:
         log(f"bad node environment: {e}")
         return EXIT_BAD_CONFIG
     start = time.time()
+    multi = cfg.nnodes > 1
+    report = NodeReport(cfg.run_uri, cfg.attempt, cfg.node_rank, cfg.nnodes,
+                        ip=node_ip(dict(os.environ), cfg.node_rank, cfg.master_addr if multi else None),
+                        master=f"{cfg.master_addr}:{cfg.master_port}" if multi else None,
+                        every=report_seconds(), log=log)
+    _REPORT.append(report)
     log(f"job {cfg.job} attempt {cfg.attempt} node {cfg.node_rank}/{cfg.nnodes} "
-        f"nproc {cfg.nproc_per_node} run {cfg.run_uri}")
+        f"ip {report.record['ip']} nproc {cfg.nproc_per_node} run {cfg.run_uri}")
+    report.start()
     try:
         job_file = fetch_job(cfg)
     except ConfigError as e:
         log(str(e))
+        report.close(EXIT_BAD_CONFIG)
         _finish(cfg)
         return EXIT_BAD_CONFIG
 
@@ -554,9 +574,13 @@ def main() -> int:
     signal.signal(signal.SIGINT, forward)
     if forwarded:
         log("signalled before the trainer started; exiting")
+        report.close(EXIT_PREEMPTED)
         return EXIT_PREEMPTED
-    child = subprocess.Popen(argv, env=env, preexec_fn=_child_preexec(os.getpid()))
+    child = subprocess.Popen(argv, env=env, preexec_fn=_child_preexec(os.getpid()),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     holder.append(child)
+    pumps = [report.pump(child.stdout, _binary(sys.stdout)), report.pump(child.stderr, _binary(sys.stderr))]
+    report.set("RUNNING")
     if forwarded:  # a signal landed between Popen and here
         os.killpg(child.pid, forwarded[-1])
 
@@ -568,6 +592,8 @@ def main() -> int:
     done.set()
     t.join(timeout=5)
     reap_leftovers()
+    for p in pumps:
+        p.join(timeout=5)
     try:
         os.unlink(job_file)
     except OSError:
@@ -584,8 +610,26 @@ def main() -> int:
         rc = EXIT_PREEMPTED
     else:
         log(f"trainer exited {rc}")
+    report.close(rc)
     _finish(cfg)
     return rc
+
+
+class _TextSink:
+    """A text stream seen as a binary one (when stdout/stderr has no ``.buffer``)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, data: bytes) -> None:
+        self.stream.write(data.decode(errors="replace"))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _binary(stream):
+    return getattr(stream, "buffer", None) or _TextSink(stream)
 
 
 def _safe_exists(uri: str) -> bool:

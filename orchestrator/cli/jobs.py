@@ -60,8 +60,37 @@ def _fmt_wall(s: float) -> str:
 
 # ---- status --------------------------------------------------------------------------------------
 
-def job_status(store: StateStore, job: dict) -> dict[str, Any]:
-    """The JSON object ``dtrun status JOB --json`` prints (also for finished jobs)."""
+def cluster_nodes(run_uri: str, att: dict | None, live: bool) -> list[dict[str, Any]]:
+    """Each node of a multi-node attempt as its bootstrap reported it (rank, private IP, host,
+    state, exit code, last report): read from the run URI when ``live`` (falling back to the
+    controller's copy in the attempt's record). A node whose attempt ended without its
+    ``EXITED`` report (the instance was taken away, or torn down while it hung) shows as GONE."""
+    if att is None:
+        return []
+    recs: list[dict] = []
+    if live:
+        from orchestrator.contract import runuri
+
+        try:
+            recs = runuri.node_records(run_uri, att["n"])
+        except OSError:
+            recs = []
+    recs = recs or att.get("cluster") or []
+    if len(recs) < 2 and (recs[0].get("nnodes", 1) if recs else 1) < 2:
+        return []
+    out = []
+    for r in recs:
+        state = r.get("state")
+        if att["state"] == "ENDED" and state != "EXITED":
+            state = "GONE"
+        out.append({"rank": r.get("rank"), "ip": r.get("ip"), "host": r.get("host"), "state": state,
+                    "exit_code": r.get("exit_code"), "reported_at": r.get("updated")})
+    return out
+
+
+def job_status(store: StateStore, job: dict, live: bool = False) -> dict[str, Any]:
+    """The JSON object ``dtrun status JOB --json`` prints (also for finished jobs); ``live``
+    reads a multi-node attempt's node records from the run URI rather than the stored copy."""
     name = job["name"]
     atts = store.attempts(name)
     first = job["session_first_attempt"] or 1
@@ -93,6 +122,7 @@ def job_status(store: StateStore, job: dict) -> dict[str, Any]:
         "estimate_usd": est.get("cost_usd") if isinstance(est, dict) else None,
         "attempts": len(session), "attempts_total": len(atts), "attempt": last,
         "nodes": nodes, "controller_pid": job["controller_pid"] if alive else None,
+        "cluster": cluster_nodes(job["run_uri"], atts[-1] if atts else None, live),
         "run_uri": job["run_uri"], "started_at": start, "finished_at": job["finished_at"],
         "wall_s": (end - start) if (start and end) else None,
     }
@@ -104,7 +134,7 @@ def cmd_status(job: str | None, json_out: bool) -> int:
         row = store.get_job(job)
         if row is None:
             raise NotFoundError(f"no job named {job!r} (see `dtrun ls`)")
-        st = job_status(store, row)
+        st = job_status(store, row, live=True)
         if json_out:
             sys.stdout.write(json.dumps(st) + "\n")
             return EXIT_OK
@@ -137,6 +167,11 @@ def _print_status(st: dict[str, Any]) -> None:
     for n in st["nodes"]:
         extra = f" pid {n['pid']} pgid {n['pgid']}" if n.get("pid") else ""
         print(f"  node {n['name']} [{n['provider']} {n['instance_id']}] {n['state']}{extra}")
+    for c in st.get("cluster") or []:
+        code = f" exit {c['exit_code']}" if c.get("exit_code") is not None else ""
+        when = time.strftime(" (reported %H:%M:%S)", time.localtime(c["reported_at"])) if c.get("reported_at") else ""
+        print(f"    node {c['rank']}: {c['ip'] or '?'} ({c['host'] or '?'}) {c['state']}{code}{when}"
+              f" — dtrun logs {st['name']} --node {c['rank']}")
     print(f"  run URI {st['run_uri']}")
     print(f"  report: dtrun report {st['name']}")
 
@@ -191,13 +226,58 @@ def _new_lines(old: list[str], new: list[str]) -> list[str]:
     return new
 
 
-def cmd_logs(job: str, follow: bool, attempt: int | None = None) -> int:
+def cmd_logs(job: str, follow: bool, attempt: int | None = None, node: int | None = None) -> int:
+    if node is not None:
+        return _node_logs(job, follow, attempt, node)
     try:
         return _logs(job, follow, attempt)
     finally:
         from providers import registry
 
         registry.close_all()  # stop SkyPilot's API server if reading a node's output started it
+
+
+def _node_logs(job: str, follow: bool, attempt: int | None, node: int) -> int:
+    """One node's output (``nodes/a<A>/node-<N>.log`` in the run URI, which that node's bootstrap
+    rewrites while it runs): the last attempt unless ``--attempt``; ``-f`` follows it until the
+    attempt ends."""
+    from orchestrator.contract import runuri
+
+    store = StateStore()
+    row = store.get_job(job)
+    if row is None:
+        raise NotFoundError(f"no job named {job!r} (see `dtrun ls`)")
+    atts = store.attempts(job)
+    n = attempt if attempt is not None else (atts[-1]["n"] if atts else None)
+    if n is None or store.get_attempt(job, n) is None:
+        have = [a["n"] for a in atts]
+        raise NotFoundError(f"job {job!r} has no attempt {n} (attempts: {', '.join(map(str, have)) or 'none'})")
+    uri = runuri.node_uri(row["run_uri"], n, node, "log")
+    text = runuri.read_text(uri)
+    if text is None:
+        ranks = [r.get("rank") for r in runuri.node_records(row["run_uri"], n)]
+        raise NotFoundError(f"--node {node}: no output from node {node} in attempt {n} of {job!r} "
+                            f"(nodes that reported: {', '.join(map(str, ranks)) or 'none'}; looked in {uri})")
+    sys.stdout.write(f"--- attempt {n} node {node} output: {uri} ---\n")
+    seen = text.splitlines()
+    sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
+    sys.stdout.flush()
+    if not follow:
+        return EXIT_OK
+    try:
+        while True:
+            a = store.get_attempt(job, n)
+            ended = a is None or a["state"] == "ENDED"
+            lines = (runuri.read_text(uri) or "").splitlines()
+            for ln in _new_lines(seen, lines):
+                sys.stdout.write(ln + "\n")
+            seen = lines
+            sys.stdout.flush()
+            if ended:
+                return EXIT_OK
+            time.sleep(LOG_POLL_SECONDS)
+    except KeyboardInterrupt:
+        return EXIT_OK
 
 
 def _logs(job: str, follow: bool, attempt: int | None) -> int:
@@ -369,10 +449,13 @@ def logs(
     job: Annotated[str, typer.Argument(help="Job name.")],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
     attempt: Annotated[int | None, typer.Option("--attempt", "-a", help="Only this attempt's node output.")] = None,
+    node: Annotated[int | None, typer.Option("--node", "-n", min=0,
+                                             help="Only node N's output (its rank; the run URI's copy).")] = None,
 ) -> None:
     """Print the job's controller events and the nodes' output (local log files, or the
-    provider's logs for a remote node: SkyPilot's job log of the attempt's cluster)."""
-    raise typer.Exit(cmd_logs(job, follow, attempt))
+    provider's logs for a remote node: SkyPilot's job log of the attempt's cluster). ``--node N``:
+    that node's own output, which every node's bootstrap writes to the run URI."""
+    raise typer.Exit(cmd_logs(job, follow, attempt, node))
 
 
 @app.command()

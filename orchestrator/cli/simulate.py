@@ -28,7 +28,10 @@ def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: 
     if note:
         typer.echo(note)
     typer.echo(f"{spec.name}: {p['runs']} simulated runs on {p['offer']} (${p['price_per_hour']:.2f}/h), "
-               f"{p['preemptions_per_hour']:g} preemptions/h, checkpoint every {p['checkpoint_every_steps']} steps "
+               f"{p['preemptions_per_hour']:g} preemptions/h"
+               + (f" ({p['nodes']} nodes × {p['preemptions_per_node_hour']:g}/h each; one lost node ends the "
+                  "attempt)" if p.get("nodes", 1) > 1 else "")
+               + f", checkpoint every {p['checkpoint_every_steps']} steps "
                f"({p['elapsed_s']:.1f} s)")
     typer.echo(f"  outcome     {', '.join(f'{k} {v}' for k, v in sorted(p['states'].items()))}")
     typer.echo(f"  wall        mean {p['wall_hours_mean']:.2f} h   p95 {p['wall_hours_p95']:.2f} h")

@@ -12,6 +12,10 @@ Layout under ``<run-uri>/``::
     STOP                             controller asks for a graceful stop (checkpoint, exit 0)
     DONE                             trainer finished: final metrics (JSON)
     trainer.log                      (local provider) the node's stdout/stderr
+    nodes/a<A>/node-<R>.json         attempt A's node R (node bootstrap): rank, private IP, host,
+                                     state (STARTING, RUNNING, EXITED), exit code, times
+    nodes/a<A>/node-<R>.log          that node's output (bootstrap + torchrun + its ranks), the
+                                     last NODE_LOG_BYTES, rewritten while it runs
 
 Paths with ``://`` go through a lazily imported fsspec (s3fs for s3://, endpoint from
 ``AWS_ENDPOINT_URL``, credentials from the standard AWS chain); plain paths stay on ``os``.
@@ -45,6 +49,9 @@ EXIT_WATCHDOG = 76     # the node bootstrap's watchdog stopped the run (budget, 
                        # controller, idle); the reason is in <run-uri>/watchdog.json
 
 _STEP_RE = re.compile(r"step-(\d+)$")
+NODES = "nodes"
+NODE_LOG_BYTES = 1 << 20
+_NODE_RE = re.compile(r"node-(\d+)\.json$")
 
 
 def join(uri: str, *parts: str) -> str:
@@ -228,3 +235,20 @@ def latest_committed(uri: str) -> tuple[int, dict] | None:
 
 def now() -> float:
     return time.time()
+
+
+def node_uri(uri: str, attempt: int, rank: int, kind: str = "json") -> str:
+    """``nodes/a<attempt>/node-<rank>.<kind>`` (kind: json, the node's record; log, its output)."""
+    return join(uri, NODES, f"a{attempt}", f"node-{rank}.{kind}")
+
+
+def node_records(uri: str, attempt: int) -> list[dict]:
+    """Every node record of one attempt, by rank (what each node's bootstrap wrote)."""
+    out = []
+    for name in list_dir(join(uri, NODES, f"a{attempt}")):
+        m = _NODE_RE.match(name)
+        if m:
+            rec = read_json(node_uri(uri, attempt, int(m.group(1))))
+            if isinstance(rec, dict):
+                out.append(rec)
+    return sorted(out, key=lambda r: r.get("rank", 0))

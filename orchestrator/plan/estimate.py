@@ -262,10 +262,19 @@ def checkpoint_save_seconds(spec: JobSpec) -> float:
 
 
 def preemption_rate(spec: JobSpec, override: float | None = None) -> float:
+    """Spot preemptions per hour of one node (``resources.preemptions_per_hour`` or the override)."""
     if override is not None:
         return override
     rate = getattr(spec.resources, "preemptions_per_hour", None)
     return DEFAULT_SPOT_PREEMPTIONS_PER_HOUR if rate is None else rate
+
+
+def attempt_preemption_rate(spec: JobSpec, nodes: int, override: float | None = None) -> float:
+    """Preemptions per hour that end an attempt of ``nodes`` spot nodes. Losing any one node ends
+    the whole attempt — the surviving ranks' collectives fail, the node watchdogs end them, the
+    controller tears the rest down and relaunches every node from the last COMMITTED step — so a
+    cluster loses its attempt N times as often as one node does."""
+    return preemption_rate(spec, override) * max(1, nodes)
 
 
 def checkpoint_interval_steps(spec: JobSpec, rate_per_hour: float, step_s: float) -> int:
@@ -284,7 +293,7 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
     t, b = spec.trainer, spec.budget
     gpus = offer.gpus_per_node * offer.nodes
     step_s = step_seconds(spec, offer.gpu, gpus)
-    rate = preemption_rate(spec, rate_override) if offer.spot else 0.0
+    rate = attempt_preemption_rate(spec, offer.nodes, rate_override) if offer.spot else 0.0
     every = checkpoint_interval_steps(spec, rate, step_s)
     steps = t.total_steps
     compute_h = steps * step_s / 3600.0
@@ -376,6 +385,8 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
         "checkpoint_hours": ckpt_h,
         "checkpoint_every_steps": every,
         "preemptions_per_hour": rate,
+        "preemptions_per_node_hour": rate / max(1, offer.nodes),
+        "nodes": offer.nodes,
         "expected_preemptions": expected_preemptions,
         "preemption_overhead_hours": preempt_h,
         "preemptions_p95": n95,

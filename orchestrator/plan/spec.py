@@ -53,7 +53,8 @@ class Resources(_Model):
     max_price_per_gpu_hour: float | None = Field(None, gt=0)
     """Refuse offers above this price (USD per GPU-hour)."""
     preemptions_per_hour: float | None = Field(None, ge=0)
-    """Spot preemptions per hour the estimate assumes (default 0.2; `dtrun simulate` explores others)."""
+    """Spot preemptions per hour of one node the estimate assumes (default 0.2; `dtrun simulate`
+    explores others). With several nodes, losing any one ends the whole attempt: N × this rate."""
     cpu_per_gpu: float = Field(8.0, gt=0, le=64)
     """Physical CPU cores requested per GPU where the provider sizes the container (Modal; data
     loading and the host side of each rank). Instance providers give the instance's own cores."""

@@ -266,6 +266,7 @@ class Controller:
         self.started = False
         self.pid = os.getpid()
         self._first_attempt_progress: dict[int, bool] = {}
+        self._cluster_seen: dict[int, list[dict]] = {}
         # A launch that raised may still have created (and be billing for) its instance: the
         # orphan sweep runs again before the next launch and before the job ends.
         self._sweep_due = False
@@ -911,6 +912,7 @@ class Controller:
             return
         n = att["n"]
         states = self._poll_nodes(nodes)
+        self._sync_cluster(n)
         prog = self._read_progress(n)
         mine = prog is not None and str(prog.get("attempt", n)) == str(n)
         if prog is not None:
@@ -1057,10 +1059,23 @@ class Controller:
                 out.append(text.rstrip())
         return "\n".join(out)
 
+    def _sync_cluster(self, n: int) -> None:
+        """Several nodes: copy each node's record (``nodes/a<n>/node-<r>.json``) into the attempt."""
+        if self.spec.resources.nodes < 2:
+            return
+        try:
+            recs = runuri.node_records(self.run_uri, n)
+        except OSError:
+            return
+        if recs and recs != self._cluster_seen.get(n):
+            self._cluster_seen[n] = recs
+            self.store.update_attempt(self.name, n, nodes_json=json.dumps(recs))
+
     def _end_attempt(self, n: int, outcome: str, reason: str) -> None:
         a = self.store.get_attempt(self.name, n)
         if a and a["state"] == "ENDED":
             return
+        self._sync_cluster(n)
         self.store.update_attempt(self.name, n, state="ENDED", outcome=outcome, reason=reason, ended_at=self.now(),
                                   end_step=self.job()["step"])
 

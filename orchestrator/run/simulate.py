@@ -296,7 +296,9 @@ def prepare(spec: JobSpec, preemptions_per_hour: float | None = None, every_over
         why = "; ".join(plan.refusals) or "no offer fits"
         raise UsageError(f"{spec.name}: nothing to simulate: {why}")
     offer = plan.chosen
-    rate = est_mod.preemption_rate(spec, preemptions_per_hour) if offer.spot else 0.0
+    # Per attempt: any one of the N nodes lost ends the attempt (the fake cloud's instance stands
+    # for the whole cluster, so it is preempted at N × the per-node rate).
+    rate = est_mod.attempt_preemption_rate(spec, offer.nodes, preemptions_per_hour) if offer.spot else 0.0
     gpus = offer.gpus_per_node * offer.nodes
     step_s = est_mod.step_seconds(spec, offer.gpu, gpus)
     every = every_override or plan.checkpoint_every_steps or est_mod.checkpoint_interval_steps(spec, rate, step_s)
@@ -340,7 +342,8 @@ def prepare(spec: JobSpec, preemptions_per_hour: float | None = None, every_over
         est_mod.CHECKPOINT_BANDWIDTH * offer.nodes)})
     return Setup(spec=spec, sim_spec=sim_spec, plan=plan, model=model, rate=rate, poll=poll, offer=offer,
                  young_daly_every=yd, user_every=spec.checkpoint.every_steps, offers=offers, regions=regions,
-                 no_capacity=no_capacity, fields={"spot_rate": est_mod.preemption_rate(spec, preemptions_per_hour)})
+                 no_capacity=no_capacity,
+                 fields={"spot_rate": est_mod.attempt_preemption_rate(spec, offer.nodes, preemptions_per_hour)})
 
 
 def run_once(setup: Setup, index: int, seed: int, max_ticks: int = 20000) -> RunResult:
@@ -492,6 +495,8 @@ def summarize(setup: Setup, results: list[RunResult]) -> dict[str, Any]:
         "offer": setup.offer.key(),
         "price_per_hour": setup.offer.price_per_hour,
         "preemptions_per_hour": setup.rate,
+        "nodes": setup.offer.nodes,
+        "preemptions_per_node_hour": setup.rate / max(1, setup.offer.nodes),
         "checkpoint_every_steps": setup.model.every,
         "checkpoint_every_user": setup.user_every,
         "young_daly_every_steps": setup.young_daly_every,

@@ -11,7 +11,8 @@ Tables
               ``requested_action`` (``stop`` | ``stop_now``) that ``dtrun down`` writes and the
               controller reads each tick.
 ``attempts``  one row per launch (job, n): offer, provider, state, outcome, reason, times, the step it
-              started from and the step it reached.
+              started from and the step it reached; for several nodes, ``cluster``: each node's
+              record from the run URI (rank, private IP, host, state, exit code; ``nodes_json``).
 ``nodes``     one row per launched instance: the provider ``Handle`` (JSON; local: pid, pgid,
               log path), state, and ``terminated_at`` — set only once the provider confirmed it gone.
 ``events``    timestamped, typed log lines per job (``state``, ``launch``, ``preempted``, …).
@@ -142,7 +143,10 @@ CREATE TABLE IF NOT EXISTS spend (
 );
 """
 
-_ADDED_JOB_COLS = (("val_loss", "REAL"),)  # newest validation loss (progress.json's val_loss)
+_ADDED_COLS = {
+    "jobs": (("val_loss", "REAL"),),  # newest validation loss (progress.json's val_loss)
+    "attempts": (("nodes_json", "TEXT"),),  # multi-node: each node's record (rank, IP, state)
+}
 
 _JOB_COLS: set[str] = set()
 _ATTEMPT_COLS: set[str] = set()
@@ -220,13 +224,14 @@ class StateStore:
             self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(_SCHEMA)  # commits on its own: outside an explicit transaction
         # columns added after a store was first created (ALTER TABLE once; older stores keep working)
-        have = {r[1] for r in self._conn.execute("PRAGMA table_info(jobs)")}
-        for col, decl in _ADDED_JOB_COLS:
-            if col not in have:
-                try:
-                    self._conn.execute(f"ALTER TABLE jobs ADD COLUMN {col} {decl}")
-                except sqlite3.OperationalError:  # another process added it first
-                    pass
+        for table, added in _ADDED_COLS.items():
+            have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+            for col, decl in added:
+                if col not in have:
+                    try:
+                        self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {col} {decl}")
+                    except sqlite3.OperationalError:  # another process added it first
+                        pass
         if self.path != ":memory:":
             for suffix in ("-wal", "-shm"):
                 try:
@@ -406,6 +411,7 @@ class StateStore:
         rows = self._read("SELECT * FROM attempts WHERE job=? ORDER BY n", (job,))
         for r in rows:
             r["offer"] = json.loads(r.pop("offer_json"))
+            r["cluster"] = json.loads(r.pop("nodes_json", None) or "[]")
         return rows
 
     def get_attempt(self, job: str, n: int) -> dict | None:

@@ -381,3 +381,37 @@ def test_real_torchrun_workers_die_when_the_node_is_sigkilled(tmp_path):
     for k in left:
         os.kill(k, signal.SIGKILL)
     assert not left, "torchrun or its workers outlived a SIGKILLed node"
+
+
+# ---- the node's report: record and output in the run URI -----------------------------------
+
+def test_node_reports_its_rank_ip_state_and_output(tmp_path):
+    """Node 1 of 2 (SkyPilot's env): its record says rank 1, the IP SkyPilot gave that rank,
+    RUNNING while it trains and EXITED 0 at the end; its log holds the trainer's output and the
+    bootstrap's own lines, which also still reach the node's stdout/stderr."""
+    uri = _run_uri(tmp_path)
+    seen: list[dict] = []
+    env = _env(uri, SKYPILOT_NODE_RANK="1", SKYPILOT_NODE_IPS="10.9.0.2\n10.9.0.3\n", SKYPILOT_NUM_GPUS_PER_NODE="2",
+               DTRUN_NODE_REPORT_SECONDS="0.1", FAKE_STEPS="40", FAKE_STEP_SECONDS="0.05")
+    p = subprocess.Popen([sys.executable, str(BOOT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.time() + 60
+        while p.poll() is None and time.time() < end:
+            rec = runuri.read_json(runuri.node_uri(uri, 3, 1))
+            if rec:
+                seen.append(rec)
+            time.sleep(0.05)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err[-2000:]
+    assert "RUNNING" in {r["state"] for r in seen}
+    recs = runuri.node_records(uri, 3)
+    assert len(recs) == 1
+    rec = recs[0]
+    assert (rec["rank"], rec["nnodes"], rec["ip"], rec["state"], rec["exit_code"]) == (1, 2, "10.9.0.3", "EXITED", 0)
+    assert rec["master"] == "10.9.0.2:29500" and rec["host"]
+    text = runuri.read_text(runuri.node_uri(uri, 3, 1, "log"))
+    assert "[dtrun-node" in text and "trainer exited 0" in text
+    assert "node 1/2" in text and "node 1/2" in err  # passed through as well as recorded
