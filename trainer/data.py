@@ -11,7 +11,7 @@ data-parallel rank and restorable at another dp degree.
   or ``.npy``; anything else is refused naming the file) from a directory, glob or file through
   fsspec. Shards are concatenated in name order and sample ``i`` is the window
   ``[i·T, i·T + T + 1)`` of that stream (wrapping around). A directory or glob never yields a
-  validation shard (``shards.is_validation``: llm.c's ``fineweb_val_000000.bin``); validation
+  validation shard (``shardlist.is_validation``: llm.c's ``fineweb_val_000000.bin``); validation
   data is named explicitly (``trainer.val_data``) and read by :func:`build_val_source`.
 
 Input pipeline (what keeps a GPU fed from S3): a micro-batch of one rank is ``mb`` consecutive
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from trainer import shards as shardfmt
+from trainer.shardlist import list_shards
 from trainer.errors import ConfigError
 
 READ_BLOCK_BYTES = int(os.environ.get("DTRUN_DATA_BLOCK_BYTES", 8 << 20))
@@ -139,32 +140,6 @@ class _Shard:
         return np.frombuffer(b"".join(parts), dtype=self.dtype)
 
 
-def _list_shards(fs: Any, path: str, uri: str, field: str, *, which: str) -> list[str]:
-    """The shard files at ``path``: ``which`` = train (validation names left out), val (only those),
-    val_or_all (the validation-named ones if any, else all)."""
-    try:
-        if any(ch in path for ch in "*?["):
-            files = fs.glob(path)
-        elif fs.isdir(path):
-            files = [f for f in fs.ls(path, detail=False) if f.endswith((".bin", ".npy"))]
-        else:
-            return [path] if fs.exists(path) else []
-    except Exception as e:  # noqa: BLE001 - any storage error here is a config problem
-        raise ConfigError(f"{field}: cannot list {uri}: {e}") from None
-    files = sorted(f for f in files if not f.endswith((".json", ".tmp")))  # data prepare's manifest, partials
-    if which == "val":
-        return [f for f in files if shardfmt.is_validation(f)]
-    if which == "val_or_all":  # trainer.val_data: its validation-named shards if it has any
-        return [f for f in files if shardfmt.is_validation(f)] or files
-    if which == "train":
-        val = [f for f in files if shardfmt.is_validation(f)]
-        files = [f for f in files if not shardfmt.is_validation(f)]
-        if val and not files:
-            raise ConfigError(f"{field}: {uri} holds only validation shards ({os.path.basename(val[0])} …); "
-                              "point trainer.data at the training shards and trainer.val_data at these")
-    return files
-
-
 class NoShards(ConfigError):
     """No token shard where the spec points."""
 
@@ -188,7 +163,7 @@ class ShardSource:
         except Exception as e:  # noqa: BLE001 - unknown scheme, missing fsspec backend (gcsfs, …)
             raise ConfigError(f"{field}: cannot open {uri}: {type(e).__name__}: {e}") from None
         local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-        files = _list_shards(fs, path, uri, field, which=which)
+        files = list_shards(fs, path, uri, field, which=which)
         if not files:
             raise NoShards(f"{field}: no .bin or .npy token shards at {uri}")
         self.files = files

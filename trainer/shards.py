@@ -14,8 +14,6 @@ Pure numpy; no torch (``dtrun data prepare`` runs on the user's machine without 
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,9 +95,3 @@ def read_info(fs: Any, path: str) -> ShardInfo:
     return parse_header(path, head, int(fs.size(path)))
 
 
-_VAL = re.compile(r"(^|[^a-z])val(id(ation)?)?([^a-z]|$)")
-
-
-def is_validation(path: str) -> bool:
-    """True for a validation shard's name (``fineweb_val_000000.bin``, ``val_000001.bin``)."""
-    return bool(_VAL.search(os.path.basename(path).lower()))

@@ -332,7 +332,10 @@ def cmd_dry_run(job: Path, json_out: bool, strict: bool = False, force: bool = F
     from orchestrator.plan.spec import load_spec
     from orchestrator.run.datacheck import check_data_vocab
 
+    from orchestrator.run.uricheck import check_offline
+
     spec = load_spec(job)
+    check_offline(spec, str(job))  # malformed, unusable scheme, unwritable run folder, no shards: exit 6
     check_data_vocab(spec, str(job), remote=False)
     plan = make_plan(run_spec(spec), usable_only=True)
     check_run_uri_reachable(spec, plan, str(job))
@@ -473,8 +476,28 @@ def spawn_detached(store: StateStore, name: str, args: list[str]) -> int:
     return proc.pid
 
 
+def check_recorded_run_uri(store, spec, new_run_uri: bool) -> None:
+    """A job name already recorded with another run URI (the spec moved, or a relative URI once
+    followed the working directory) would train twice into two places: refused naming both,
+    unless ``--new-run-uri`` (and never while the recorded run is still going)."""
+    from orchestrator.contract.errors import UsageError
+    from orchestrator.run.state import TERMINAL_STATES
+
+    row = store.get_job(spec.name)
+    if row is None or row["run_uri"] == spec.run_uri:
+        return
+    if row["state"] not in TERMINAL_STATES:
+        raise UsageError(f"{spec.name} is recorded ({row['state']}) with run URI {row['run_uri']}, but the job file "
+                         f"now says {spec.run_uri}; stop it first (`dtrun down {spec.name}`) or give "
+                         "checkpoint.uri the recorded URI; nothing rented")
+    if not new_run_uri:
+        raise UsageError(f"{spec.name} is recorded with run URI {row['run_uri']}, but the job file now says "
+                         f"{spec.run_uri}: a new run would start from scratch there. Pass --new-run-uri to do "
+                         "that, or set checkpoint.uri back to the recorded URI; nothing rented")
+
+
 def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = False, strict: bool = False,
-           force: bool = False) -> int:
+           force: bool = False, new_run_uri: bool = False) -> int:
     from orchestrator.cli.jobs import _ask, _err, _tty_in, job_status
     from orchestrator.contract.errors import EXIT_INTERRUPTED, ProviderRefused
     from orchestrator.plan.estimate import make_plan
@@ -482,7 +505,10 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
     from orchestrator.run.datacheck import check_data_vocab
     from orchestrator.run.state import TERMINAL_STATES, StateStore, dtrun_home
 
+    from orchestrator.run import uricheck
+
     written = load_spec(job)
+    uricheck.check_offline(written, str(job))  # exit 6 before any network or spend
     check_data_vocab(written, str(job))
     # What the nodes run: auto resolved (degrees, micro-batch, checkpointing); the report judges
     # the spec as written (what auto was allowed to change).
@@ -516,8 +542,11 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
     from orchestrator.run.nodecreds import node_storage
 
     node_storage(spec, plan.chosen.provider)
+    # S3 credentials, a write/read/list/delete probe of the run URI, remote data shards: exit 6.
+    uricheck.check_online(spec, str(job))
 
     store = StateStore()
+    check_recorded_run_uri(store, spec, new_run_uri)
     existing = store.get_job(spec.name)
     if existing and StateStore.controller_alive(existing):
         _err(f"{spec.name} is already running under controller pid {existing['controller_pid']}; "
@@ -695,8 +724,11 @@ def up(
     strict: Annotated[bool, typer.Option("--strict", help="Known traps are errors (exit 2), not warnings.")] = False,
     force: Annotated[bool, typer.Option(
         "--force", help="Rent even when the plan does not fit the GPU's memory (exit 4 otherwise); warns.")] = False,
+    new_run_uri: Annotated[bool, typer.Option(
+        "--new-run-uri", help="The job is recorded with another run URI: start over at the spec's one.")] = False,
 ) -> None:
     """Estimate, confirm, then run the job to the end (or only estimate, with --dry-run)."""
     if dry_run:
         raise typer.Exit(cmd_dry_run(job, json_out, strict, force))
-    raise typer.Exit(cmd_up(job, yes=yes, detach=detach, json_out=json_out, strict=strict, force=force))
+    raise typer.Exit(cmd_up(job, yes=yes, detach=detach, json_out=json_out, strict=strict, force=force,
+                            new_run_uri=new_run_uri))

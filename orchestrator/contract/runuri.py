@@ -53,6 +53,47 @@ NODES = "nodes"
 NODE_LOG_BYTES = 1 << 20
 _NODE_RE = re.compile(r"node-(\d+)\.json$")
 
+BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
+            "abfss": "adlfs", "hf": "huggingface_hub", "http": "aiohttp", "https": "aiohttp"}
+"""The Python package fsspec needs for each scheme (its ``known_implementations``)."""
+READ_ONLY = ("http", "https")
+"""Schemes dtrun can read data from but never write a run to."""
+SCHEMES = ("file",) + tuple(BACKENDS)
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_BAD_COLON = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]{1,})(:/?)(?!/)(.*)$")
+_BAD_SLASHES = re.compile(r"^(" + "|".join(SCHEMES) + r")(//|:)(.*)$")
+
+
+def malformed(uri: str) -> str | None:
+    """The URI it was probably meant to be (``s3:/b`` → ``s3://b``), or None when well formed."""
+    if _SCHEME_RE.match(uri):
+        return None
+    m = _BAD_SLASHES.match(uri) if uri.split("/", 1)[0].rstrip(":") in SCHEMES else None
+    if m is None:
+        m = _BAD_COLON.match(uri)
+        if m is None or m.group(1).lower() not in SCHEMES:
+            return None
+    return f"{m.group(1)}://{m.group(3).lstrip('/')}"
+
+
+def scheme(uri: str) -> str:
+    m = _SCHEME_RE.match(uri)
+    return m.group(1).lower() if m else "file"
+
+
+def anchored(uri: str, base: str) -> str:
+    """A relative local path or ``file://`` URI made absolute against ``base`` (the job file's
+    folder), so the same job file means the same place from any working directory; other URIs
+    (and malformed ones, which the checks refuse by name) unchanged."""
+    if malformed(uri) is not None:
+        return uri
+    if uri.startswith("file://"):
+        path = uri[len("file://"):]
+        return "file://" + os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+    if "://" in uri:
+        return uri
+    return os.path.normpath(os.path.join(base, os.path.expanduser(uri)))
+
 
 def join(uri: str, *parts: str) -> str:
     out = uri.rstrip("/")

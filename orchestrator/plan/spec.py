@@ -212,7 +212,8 @@ class Checkpoint(_Model):
     """Where the run's state lives: the run URI (the contract between controller and trainer)."""
 
     uri: str = "file://./runs/{name}"
-    """Run URI: s3://bucket/prefix, file://path or a plain path. {name} is replaced by the job name."""
+    """Run URI: s3://bucket/prefix, file://path or a plain path (a relative one is relative to the job
+    file's folder, not the working directory). {name} is replaced by the job name."""
     every_steps: Union[int, Literal["auto"]] = 100
     """Checkpoint interval in steps, or auto (Young/Daly from the checkpoint cost and the expected
     time between preemptions)."""
@@ -468,7 +469,22 @@ def load_spec(path: str | Path) -> JobSpec:
         where = f"{p}:{mark.line + 1}" if mark else str(p)
         problem = getattr(e, "problem", None) or str(e)
         raise SpecError(f"{where}: invalid YAML: {problem}") from None
-    return parse_spec(data, str(p), root)
+    return anchor_paths(parse_spec(data, str(p), root), p.resolve().parent)
+
+
+def anchor_paths(spec: JobSpec, base: str | Path) -> JobSpec:
+    """Relative local paths in the spec (``checkpoint.uri``, ``trainer.data``, ``trainer.val_data``)
+    resolved against ``base``, the job file's folder — not the working directory, so one job file
+    trains into one place whichever folder ``dtrun up`` runs in."""
+    from orchestrator.contract.runuri import anchored
+
+    base = str(base)
+    t = spec.trainer
+    ck = spec.checkpoint.model_copy(update={"uri": anchored(spec.checkpoint.uri, base)})
+    tr = t.model_copy(update={
+        "data": t.data if t.data == "synthetic" else anchored(t.data, base),
+        "val_data": anchored(t.val_data, base) if t.val_data else t.val_data})
+    return spec.model_copy(update={"checkpoint": ck, "trainer": tr})
 
 
 def spec_to_yaml(spec: JobSpec) -> str:

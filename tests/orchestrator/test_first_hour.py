@@ -77,3 +77,165 @@ def test_some_usable_are_ranked_first_the_others_need_credentials(no_credentials
     main(["up", str(GPT2), "--dry-run"])
     text = capsys.readouterr().out
     assert "Chosen:" in text and "vast*" in text and "* needs credentials: vast" in text
+
+
+# ---- 3. refused before renting, never after --------------------------------------------------
+
+def _job(folder: Path, name: str = "first", providers=("local",), gpu: str = "cpu", **trainer) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    uri = trainer.pop("uri", None)
+    spec = {"name": name, "resources": {"providers": list(providers), "gpu": gpu, "gpus_per_node": 1},
+            "trainer": {"model": "tiny", "steps": 5, "batch_size": 8, "seq_len": 64, **trainer},
+            "budget": {"max_usd": 100}}
+    if uri is not None:
+        spec["checkpoint"] = {"uri": uri}
+    f = folder / "job.yaml"
+    f.write_text(yaml.safe_dump(spec))
+    return f
+
+
+@pytest.fixture
+def no_aws(monkeypatch, tmp_path):
+    """Neither the environment nor boto3's chain has AWS credentials."""
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+              "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+              "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def _refused(capsys, argv, *needles) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 6, err
+    assert "internal error" not in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+@pytest.mark.parametrize("bad,meant", [("s3:/my-bucket/runs", "s3://my-bucket/runs"),
+                                       ("s3//my-bucket/runs", "s3://my-bucket/runs")])
+@pytest.mark.parametrize("provider,gpu", [("local", "cpu"), ("runpod", "H100"), ("lambda", "H100"),
+                                          ("vast", "H100"), ("modal", "H100")])
+def test_a_malformed_uri_is_refused_on_every_provider(tmp_path, capsys, dtrun_home, provider_credentials,
+                                                      bad, meant, provider, gpu):
+    f = _job(tmp_path / "a", providers=(provider,), gpu=gpu, uri=bad)
+    _refused(capsys, ["up", str(f), "--dry-run"], "checkpoint.uri", repr(meant), "nothing rented")
+    f = _job(tmp_path / "b", providers=(provider,), gpu=gpu, data=bad.replace("runs", "shards"))
+    _refused(capsys, ["up", str(f), "--dry-run"], "trainer.data", repr(meant.replace("runs", "shards")))
+    assert not (tmp_path / "a" / "s3:").exists() and not any(Path.cwd().glob("s3:*"))
+
+
+def test_a_malformed_local_run_uri_never_becomes_a_folder(tmp_path, capsys, dtrun_home, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    f = _job(tmp_path, uri="s3:/my-bucket/runs/{name}")
+    _refused(capsys, ["up", str(f), "--yes"], "checkpoint.uri", "'s3://my-bucket/runs/first'")
+    assert not (tmp_path / "s3:").exists()
+    from orchestrator.run.state import StateStore
+
+    assert StateStore().get_job("first") is None
+
+
+def test_a_scheme_without_its_package_names_the_package(tmp_path, capsys, dtrun_home):
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    f = _job(tmp_path, uri="gs://my-bucket/runs/{name}")
+    _refused(capsys, ["up", str(f), "--dry-run"], "checkpoint.uri", "gcsfs", "pip install gcsfs")
+    _refused(capsys, ["up", str(f), "--yes"], "gcsfs")
+    f = _job(tmp_path / "other", uri="ftp://host/runs")
+    _refused(capsys, ["up", str(f), "--dry-run"], "checkpoint.uri", "ftp://")
+
+
+def test_s3_without_credentials_is_exit_6_naming_what_to_set(tmp_path, capsys, dtrun_home, no_aws):
+    f = _job(tmp_path, uri="s3://my-bucket/runs/{name}")
+    _refused(capsys, ["up", str(f), "--yes"], "checkpoint.uri", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+             "nothing rented")
+    from orchestrator.run.state import StateStore
+
+    assert StateStore().get_job("first") is None
+
+
+def test_an_unwritable_local_run_uri_is_refused_and_no_job_is_left_pending(tmp_path, capsys, dtrun_home):
+    (tmp_path / "a-file").write_text("not a folder")
+    f = _job(tmp_path, uri=str(tmp_path / "a-file" / "runs" / "{name}"))
+    _refused(capsys, ["up", str(f), "--dry-run"], "checkpoint.uri", "a-file is a file")
+    _refused(capsys, ["up", str(f), "--yes"], "checkpoint.uri", "cannot be written")
+    assert main(["ls", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["jobs"] == []
+
+
+def test_data_without_shards_is_refused_before_renting(tmp_path, capsys, dtrun_home):
+    (tmp_path / "empty").mkdir()
+    f = _job(tmp_path, data="./empty")
+    _refused(capsys, ["up", str(f), "--dry-run"], "trainer.data", "no .bin or .npy token shards", "dtrun data prepare")
+    _refused(capsys, ["up", str(f), "--yes"], "trainer.data")
+    (tmp_path / "vals").mkdir()
+    (tmp_path / "vals" / "val_000000.bin").write_bytes(b"\0" * 16)
+    f = _job(tmp_path, data="./vals")
+    _refused(capsys, ["up", str(f), "--dry-run"], "trainer.data", "only validation shards")
+    f = _job(tmp_path, data="./missing")
+    _refused(capsys, ["up", str(f), "--dry-run"], "trainer.data", "does not exist")
+
+
+def test_s3_data_without_shards_is_refused_by_up(tmp_path, capsys, dtrun_home, s3_bucket):
+    import boto3
+
+    boto3.client("s3").put_object(Bucket=s3_bucket[5:], Key="data/manifest.json", Body=b'{"vocab_size": 256}')
+    f = _job(tmp_path, uri=str(tmp_path / "runs" / "{name}"), data=f"{s3_bucket}/data/")
+    assert main(["up", str(f), "--dry-run"]) == 0  # no network in the dry run
+    capsys.readouterr()
+    _refused(capsys, ["up", str(f), "--yes"], "trainer.data", "no .bin or .npy token shards")
+
+
+def test_s3_run_uri_probe_names_a_missing_bucket(tmp_path, capsys, dtrun_home, s3_server):
+    f = _job(tmp_path, uri="s3://no-such-bucket-dtrun/runs/{name}")
+    _refused(capsys, ["up", str(f), "--yes"], "checkpoint.uri", "no-such-bucket-dtrun")
+
+
+# ---- 4. relative run URIs follow the job file ----------------------------------------------------
+
+def test_a_relative_run_uri_resolves_against_the_job_files_folder(tmp_path, capsys, monkeypatch, dtrun_home):
+    f = _job(tmp_path / "project", uri="./runs/{name}")
+    outs = []
+    for cwd in (tmp_path, tmp_path / "project"):
+        monkeypatch.chdir(cwd)
+        rc, out = _json(capsys, ["up", str(f), "--dry-run", "--json"])
+        assert rc == 0
+        outs.append(out["run_uri"])
+    assert outs[0] == outs[1] == f"file://{tmp_path / 'project' / 'runs' / 'first'}"
+
+
+def test_the_shipped_quickstart_trains_into_the_repos_runs_folder(capsys, monkeypatch, tmp_path, dtrun_home):
+    monkeypatch.chdir(tmp_path)
+    rc, out = _json(capsys, ["up", str(ROOT / "jobs" / "quickstart.yaml"), "--dry-run", "--json"])
+    assert rc == 0 and out["run_uri"] == f"file://{ROOT / 'runs' / 'quickstart'}"
+
+
+def test_a_job_recorded_with_another_run_uri_is_refused_naming_both(tmp_path, capsys, dtrun_home, monkeypatch):
+    import orchestrator.cli.up as up
+    from orchestrator.run.state import StateStore
+
+    rented = []
+    monkeypatch.setattr(up, "_foreground", lambda spec, plan, store, path, js: rented.append(spec.run_uri) or 0)
+    f = _job(tmp_path / "project", uri="./runs/{name}")
+    old = f"file://{tmp_path / 'elsewhere' / 'runs' / 'first'}"
+    store = StateStore()
+    store.create_job("first", "name: first\n", old)
+    store.set_state("first", "FAILED", "an earlier session")
+    rc = main(["up", str(f), "--yes"])
+    err = capsys.readouterr().err
+    assert rc == 2 and old in err and str(tmp_path / "project" / "runs" / "first") in err
+    assert "--new-run-uri" in err and rented == []
+    assert main(["up", str(f), "--yes", "--new-run-uri"]) == 0
+    assert rented == [f"file://{tmp_path / 'project' / 'runs' / 'first'}"]
+    # a recorded run still going is never moved, flag or not
+    store.set_state("first", "RUNNING")
+    store.update_job("first", run_uri=old)
+    assert main(["up", str(f), "--yes", "--new-run-uri"]) == 2
+    assert "dtrun down first" in capsys.readouterr().err and len(rented) == 1

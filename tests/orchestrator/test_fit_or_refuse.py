@@ -108,6 +108,7 @@ def test_up_refuses_and_rents_nothing_then_force_rents_with_a_warning(capsys, tm
     monkeypatch.setattr(jobs, "_check_credentials", lambda p: None)
     monkeypatch.setattr("orchestrator.run.nodecreds.node_storage", lambda spec, p: ({}, {}))
     monkeypatch.setattr("orchestrator.run.preflight.maybe_preflight", lambda spec: None)
+    monkeypatch.setattr("orchestrator.run.uricheck.check_online", lambda spec, source: None)
     monkeypatch.setattr("orchestrator.contract.runuri.exists", lambda uri: False)
     monkeypatch.setattr("orchestrator.contract.runuri.latest_committed", lambda uri: None)
     monkeypatch.setattr(jobs, "_foreground", lambda spec, plan, store, path, js: rented.append(spec) or 0)
@@ -180,6 +181,7 @@ def test_force_really_rents_on_the_fake_cloud_and_the_node_gets_the_forced_plan(
     data = yaml.safe_load(llama_job(tmp_path, activation_checkpointing="none").read_text())
     data["resources"] = {"providers": ["fake"], "gpu": "H100", "gpus_per_node": 8, "spot": False}
     data["checkpoint"]["uri"] = f"file://{tmp_path}/run"
+    data["trainer"]["data"] = "synthetic"  # the fake node reads no data; S3 data would need AWS keys here
     data["recovery"] = {"poll_seconds": 0.2}
     f = tmp_path / "forced.yaml"
     f.write_text(yaml.safe_dump(data))

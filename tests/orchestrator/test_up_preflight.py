@@ -24,7 +24,8 @@ def test_up_refuses_when_the_bucket_does_not_exist(tmp_path, s3_server, dtrun_ho
     rc = main(["up", _job(tmp_path, "s3://no-such-bucket-dtrun/run"), "--yes"])
     err = capsys.readouterr().err
     assert rc == 6, err
-    assert "preflight" in err and "no-such-bucket-dtrun" in err
+    # refused by the run URI probe before renting (the restore preflight would say the same)
+    assert "no-such-bucket-dtrun" in err and "does not exist" in err and "nothing rented" in err
     # Nothing was launched: no attempt recorded, no local node registered.
     from orchestrator.run.state import StateStore
 

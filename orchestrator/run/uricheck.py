@@ -1,0 +1,240 @@
+"""The job's URIs, checked on this machine before anything is rented: one line naming the field
+and the fix, exit 6 (``UriRefused``), never an internal error after provisioning was paid for.
+
+:func:`check_offline` (the dry run and ``dtrun up``; no network, no storage SDK imported):
+
+* a malformed URI (``s3:/bucket``, ``s3//bucket``): it would otherwise become a local folder
+  named ``s3:`` — refused on every provider;
+* a scheme dtrun cannot use: no fsspec backend installed for it (``gs://`` needs ``gcsfs``), or
+  one no backend writes (a run URI on ``http://``);
+* a local run URI that cannot be written (its nearest existing folder is read-only or a file);
+* local training data with no token shards (no ``.bin``/``.npy`` where ``trainer.data``
+  points, or only validation shards).
+
+:func:`check_online` (``dtrun up`` only, after the provider checks): ``s3://`` URIs without AWS
+credentials (naming what to set), then a probe of the run URI (write, read, list, delete one
+object) and the data URI's shards where they are remote.
+
+``dtrun check JOB`` reports the same items as ✓/✗ lines (:func:`problems`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.contract.errors import EXIT_NOT_FOUND, DtrunError
+from orchestrator.contract.runuri import BACKENDS, READ_ONLY, malformed, scheme
+
+class UriRefused(DtrunError):
+    """A URI of the job cannot work: exit 6 (run URI or data not reachable), nothing rented."""
+
+    exit_code = EXIT_NOT_FOUND
+
+
+@dataclass
+class Problem:
+    field: str
+    uri: str
+    message: str
+    """What is wrong and the fix, naming the field."""
+
+
+def _uris(spec: Any) -> list[tuple[str, str, bool]]:
+    """(field, URI as written, is the run URI) for every URI the job points at."""
+    t = spec.trainer
+    out = [("checkpoint.uri", spec.checkpoint.uri.replace("{name}", spec.name), True)]
+    if t.data != "synthetic":
+        out.append(("trainer.data", t.data, False))
+    if t.val_data:
+        out.append(("trainer.val_data", t.val_data, False))
+    return out
+
+
+def _has(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _local_path(uri: str) -> str:
+    path = uri[len("file://"):] if uri.startswith("file://") else uri
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` (a folder to create or use) cannot be written, or None."""
+    p = path
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    if not os.path.isdir(p):
+        return f"{p} is a file, not a folder"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p} is not writable by this user"
+    import tempfile
+
+    try:  # permissions are not the whole story (read-only mounts, /proc, root squash): try it
+        fd, tmp = tempfile.mkstemp(prefix=".dtrun-check-", dir=p)
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        return f"cannot create a file in {p}: {e.strerror or e}"
+    return None
+
+
+def _local_shards(uri: str, field: str) -> str | None:
+    """Why local data at ``uri`` has no usable shards (the trainer's own listing rule), or None."""
+    import fsspec
+
+    from trainer.errors import ConfigError
+    from trainer.shardlist import list_shards
+
+    path = _local_path(uri)
+    if not any(ch in path for ch in "*?[") and not os.path.exists(path):
+        return f"{path} does not exist"
+    try:
+        files = list_shards(fsspec.filesystem("file"), path, uri, field,
+                            which="train" if field == "trainer.data" else "val_or_all")
+    except ConfigError as e:
+        return str(e).removeprefix(f"{field}: ")
+    if not files:
+        manifest = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "manifest.json")
+        return (f"no .bin or .npy token shards at {path}"
+                + (" (a manifest.json is there: is `dtrun data prepare` still running?)"
+                   if os.path.exists(manifest) else ""))
+    return None
+
+
+def offline_problems(spec: Any) -> list[Problem]:
+    """Every problem found without the network (see the module docstring)."""
+    out: list[Problem] = []
+    for field, uri, is_run in _uris(spec):
+        fix = malformed(uri)
+        if fix is not None:
+            out.append(Problem(field, uri, f"{field}: {uri!r} is not a well-formed URI (a scheme needs '://': "
+                                           f"did you mean {fix!r}?)"))
+            continue
+        sch = scheme(uri)
+        if sch != "file":
+            if sch not in BACKENDS:
+                out.append(Problem(field, uri, f"{field}: dtrun cannot use {sch}:// URIs (it reads and writes "
+                                               f"file, s3, gs, az and hf URIs); use an s3:// URI or a local path"))
+                continue
+            if is_run and sch in READ_ONLY:
+                out.append(Problem(field, uri, f"{field}: a run URI must be writable; {sch}:// is read-only "
+                                               "(use an s3:// URI or a local path)"))
+                continue
+            pkg = BACKENDS[sch]
+            if not _has(pkg):
+                out.append(Problem(field, uri, f"{field}: {sch}:// needs the {pkg} package, which is not "
+                                               f"installed (pip install {pkg}), or use an s3:// URI"))
+            continue
+        if is_run:
+            why = _unwritable(_local_path(uri))
+            if why:
+                out.append(Problem(field, uri, f"{field}: the run URI {_local_path(uri)} cannot be written "
+                                               f"({why}); point checkpoint.uri at a writable folder"))
+        else:
+            why = _local_shards(uri, field)
+            if why:
+                out.append(Problem(field, uri, f"{field}: {why}; run `dtrun data prepare SOURCE --out "
+                                               f"{uri}` first, or point {field} at token shards"))
+    return out
+
+
+def check_offline(spec: Any, source: str) -> None:
+    """Raise :class:`UriRefused` (exit 6) for the first offline problem."""
+    found = offline_problems(spec)
+    if found:
+        raise UriRefused(f"{source}: {found[0].message}; nothing rented")
+
+
+def s3_credentials_problem(spec: Any) -> Problem | None:
+    """``s3://`` URIs and no AWS credentials in the environment or boto3's chain."""
+    from orchestrator.run import nodecreds
+
+    s3 = [(f, u) for f, u, _r in _uris(spec) if scheme(u) in ("s3", "s3a")]
+    if not s3:
+        return None
+    if os.environ.get(nodecreds.ACCESS_KEY) and os.environ.get(nodecreds.SECRET_KEY):
+        return None
+    creds, _region = nodecreds._from_chain()
+    if creds:
+        return None
+    field, uri = s3[0]
+    return Problem(field, uri, f"{field}: {uri} is on S3 and no AWS credentials were found; {nodecreds.HOW}")
+
+
+def _remote_data_problem(field: str, uri: str) -> str | None:
+    from orchestrator.contract import runuri
+    from trainer.errors import ConfigError
+    from trainer.prepare import read_manifest
+    from trainer.shardlist import list_shards
+
+    try:
+        fs, path = runuri._fs(uri)
+        files = list_shards(fs, path, uri, field, which="train" if field == "trainer.data" else "val_or_all")
+    except ConfigError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - any storage error: say which, in one line
+        return f"{field}: cannot list {uri}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    if files:
+        return None
+    if read_manifest(uri):
+        return f"{field}: {uri} has a manifest but no .bin or .npy token shards (is `dtrun data prepare` still running?)"
+    return f"{field}: no .bin or .npy token shards at {uri}; run `dtrun data prepare SOURCE --out {uri}` first"
+
+
+def probe_run_uri(uri: str) -> str | None:
+    """Write, read, list and delete one small object under the run URI; why it failed, or None."""
+    import uuid
+
+    from orchestrator.contract import runuri
+
+    key = runuri.join(uri, ".dtrun-check", f"probe-{uuid.uuid4().hex[:8]}")
+    step = "write"
+    try:
+        runuri.write_text(key, "dtrun-check")
+        step = "read"
+        if runuri.read_text(key) != "dtrun-check":
+            return f"{uri} returned different bytes than were written"
+        step = "list"
+        if key.rsplit("/", 1)[-1] not in runuri.list_dir(runuri.join(uri, ".dtrun-check")):
+            return f"{uri}: the object just written is not listed"
+        step = "delete"
+        runuri.remove(runuri.join(uri, ".dtrun-check"), recursive=True)
+    except Exception as e:  # noqa: BLE001 - every storage error is reported, in one line
+        from trainer.preflight import classify  # the restore preflight's words for the same errors
+
+        return f"cannot {step} under {uri}: {classify(e, uri)[1]}"
+    return None
+
+
+def online_problems(spec: Any) -> list[Problem]:
+    """Credentials, the run URI probe and remote data shards (network: ``dtrun up``, ``check``)."""
+    cred = s3_credentials_problem(spec)
+    if cred is not None:
+        return [cred]
+    out: list[Problem] = []
+    why = probe_run_uri(spec.run_uri)
+    if why:
+        out.append(Problem("checkpoint.uri", spec.run_uri, f"checkpoint.uri: {why}"))
+    for field, uri, is_run in _uris(spec):
+        if not is_run and scheme(uri) != "file":
+            why = _remote_data_problem(field, uri)
+            if why:
+                out.append(Problem(field, uri, why))
+    return out
+
+
+def check_online(spec: Any, source: str) -> None:
+    """Raise :class:`UriRefused` (exit 6) for the first problem that needs the network to find."""
+    found = online_problems(spec)
+    if found:
+        raise UriRefused(f"{source}: {found[0].message}; nothing rented")
