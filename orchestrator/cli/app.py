@@ -29,6 +29,7 @@ app = typer.Typer(
 from orchestrator.cli import (  # noqa: E402
     data,
     export,
+    init,
     jobs,
     money,
     profile,
@@ -39,8 +40,39 @@ from orchestrator.cli import (  # noqa: E402
     weights,
 )
 
-for _noun in (up, jobs, export, money, simulate, profile, data, weights, sample, report):
+for _noun in (init, up, jobs, export, money, simulate, profile, data, weights, sample, report):
     app.add_typer(_noun.app)
+
+
+def version() -> str:
+    """dtrun's version: the installed distribution's, else pyproject.toml's (a source checkout)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("dtrun")
+    except PackageNotFoundError:
+        import re
+        from pathlib import Path
+
+        text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+        m = re.search(r'^version = "([^"]+)"', text, re.M)
+        return m.group(1) if m else "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"dtrun {version()}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                      help="Print dtrun's version and exit."),
+) -> None:
+    """Train on rented GPUs without surprises: estimate first, rent the cheapest fit, survive
+    preemption, never leave a node billing."""
 
 
 def _click_errors() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:

@@ -369,7 +369,7 @@ def _logs(job: str, follow: bool, attempt: int | None) -> int:
 
 # ---- down ----------------------------------------------------------------------------------------
 
-def cmd_down(job: str, now: bool) -> int:
+def cmd_down(job: str, now: bool, yes: bool = False) -> int:
     store = StateStore()
     row = store.get_job(job)
     if row is None:
@@ -377,6 +377,13 @@ def cmd_down(job: str, now: bool) -> int:
     if row["state"] in TERMINAL_STATES and not store.nodes(job, live_only=True):
         print(f"{job} is already {row['state']}; nothing is running")
         return EXIT_OK
+    if not yes and _tty_in():
+        # On a terminal, ask first; without one (scripts, CI) stopping goes ahead: it only ever
+        # ends spending, so it never waits for an answer nobody can give.
+        how = "terminate now, no final checkpoint" if now else "final checkpoint, then terminate"
+        if _ask(f"Stop {job} ({row['state']}, step {row['step'] or 0}; {how})? [y/N] ") not in ("y", "yes"):
+            print(f"{job}: not stopped")
+            return EXIT_INTERRUPTED
     store.request_action(job, "stop_now" if now else "stop")
     what = "terminating now" if now else "asking the trainer to checkpoint and stop"
     if StateStore.controller_alive(row):
@@ -462,6 +469,7 @@ def logs(
 def down(
     job: Annotated[str, typer.Argument(help="Job name.")],
     now: Annotated[bool, typer.Option("--now", help="Skip the final checkpoint; terminate at once.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (asked only on a terminal).")] = False,
 ) -> None:
     """Stop a job: STOP → final checkpoint → terminate every node (confirmed)."""
-    raise typer.Exit(cmd_down(job, now))
+    raise typer.Exit(cmd_down(job, now, yes))

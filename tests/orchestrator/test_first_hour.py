@@ -239,3 +239,77 @@ def test_a_job_recorded_with_another_run_uri_is_refused_naming_both(tmp_path, ca
     store.update_job("first", run_uri=old)
     assert main(["up", str(f), "--yes", "--new-run-uri"]) == 2
     assert "dtrun down first" in capsys.readouterr().err and len(rented) == 1
+
+
+# ---- 5. dtrun init, --version, down --yes ------------------------------------------------------
+
+def test_init_without_a_terminal_writes_defaults_that_pass_the_dry_run(tmp_path, capsys, monkeypatch, dtrun_home):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO(""))
+    assert main(["init"]) == 0
+    text = (tmp_path / "job.yaml").read_text()
+    assert text.count("#") >= 12 and "dtrun up job.yaml --dry-run" in text  # commented
+    capsys.readouterr()
+    assert main(["up", "job.yaml", "--dry-run"]) == 0
+
+
+def test_init_for_a_gpu_passes_the_dry_run(tmp_path, capsys, provider_credentials, monkeypatch, dtrun_home):
+    monkeypatch.setenv("DTRUN_SKY_CATALOG_DIR", str(tmp_path / "no-catalogs"))
+    out = tmp_path / "exp" / "gpt.yaml"
+    assert main(["init", "--model", "gpt2-124m", "--gpu", "H100", "--budget", "40", "--out", str(out)]) == 0
+    capsys.readouterr()
+    rc, rep = _json(capsys, ["up", str(out), "--dry-run", "--json"])
+    assert rc == 0 and rep["budget_usd"] == 40 and rep["chosen"]["gpu"].startswith("H100")
+
+
+def test_init_never_overwrites_without_force(tmp_path, capsys):
+    out = tmp_path / "job.yaml"
+    out.write_text("mine\n")
+    assert main(["init", "--out", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err and out.read_text() == "mine\n"
+    assert main(["init", "--out", str(out), "--force"]) == 0
+    assert "name: job" in out.read_text()
+    assert main(["init", "--out", str(tmp_path / "x.yaml"), "--model", "nope"]) == 2
+    assert "unknown preset" in capsys.readouterr().err and not (tmp_path / "x.yaml").exists()
+
+
+def test_init_asks_on_a_terminal(tmp_path, capsys, monkeypatch, provider_credentials, dtrun_home):
+    import io
+
+    monkeypatch.setenv("DTRUN_SKY_CATALOG_DIR", str(tmp_path / "no-catalogs"))
+    monkeypatch.setattr("orchestrator.cli.init._tty", lambda: True)
+    monkeypatch.setattr("sys.stdin", io.StringIO("gpt2-124m\nA100-80GB\n\n30\n"))
+    out = tmp_path / "asked.yaml"
+    assert main(["init", "--out", str(out)]) == 0
+    asked = capsys.readouterr().out
+    assert "Model preset" in asked and "GPU" in asked and "Budget" in asked
+    spec = yaml.safe_load(out.read_text())
+    assert spec["trainer"]["model"] == "gpt2-124m" and spec["resources"]["gpu"] == "A100-80GB"
+    assert spec["budget"]["max_usd"] == 30 and spec["trainer"]["data"] == "synthetic"
+    assert main(["up", str(out), "--dry-run"]) == 0
+
+
+def test_version(capsys):
+    import re
+
+    assert main(["--version"]) == 0
+    want = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert capsys.readouterr().out.strip() == f"dtrun {want}"
+
+
+def test_down_yes_and_the_question_on_a_terminal(tmp_path, capsys, monkeypatch, dtrun_home):
+    import io
+
+    from orchestrator.run.state import StateStore
+
+    store = StateStore()
+    store.create_job("done-job", "name: done-job\n", "file:///nowhere")
+    store.set_state("done-job", "SUCCEEDED")
+    assert main(["down", "done-job", "--yes"]) == 0
+    store.create_job("live-job", "name: live-job\n", "file:///nowhere")
+    store.set_state("live-job", "RUNNING")
+    monkeypatch.setattr("orchestrator.cli.jobs._tty_in", lambda: True)
+    monkeypatch.setattr("sys.stdin", io.StringIO("n\n"))
+    assert main(["down", "live-job"]) == 130
+    assert "Stop live-job" in capsys.readouterr().out
+    assert store.pop_action("live-job") is None  # nothing asked of the controller
