@@ -51,6 +51,15 @@ class Offer:
     """Where the provider may place it, in order (cheapest first): one launch tries them all
     (SkyPilot fails over across them). Empty = anywhere the provider sells it (``region`` is
     then "any", or the only region)."""
+    price_known: bool = True
+    """False for a spot offer without a spot figure (priced at on-demand as an upper bound): the
+    plan ranks it after every offer whose price is known."""
+    spot_bid: float | None = None
+    """USD per GPU-hour SkyPilot will bid for this spot offer (RunPod ``bid_per_gpu``; Vast
+    ``price`` ÷ GPUs), when dtrun knows it; the quote is this figure."""
+    price_fetched_at: float | None = None
+    """When the price was fetched from the provider's API (epoch seconds); None = a snapshot or a
+    catalog dtrun did not fetch (``price_date`` dates it)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.regions, tuple):  # from JSON: a list

@@ -30,6 +30,7 @@ import datetime as _dt
 import functools
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,10 @@ class PriceRow:
     date: str
     note: str = ""
     instance_type: str | None = None
+    fetched_at: float | None = None
+    """Epoch seconds of a live fetch (``dtrun prices --refresh``); None for snapshot/cached rows."""
+    spot_note: str = ""
+    """How the spot figure was found and what SkyPilot will bid."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -174,6 +179,17 @@ def catalog_rows(provider: str) -> list[PriceRow]:
             reader = list(csv.DictReader(f))
     except (OSError, csv.Error, UnicodeDecodeError):
         return []
+    from providers.skypilot.prices import age_text, live_record
+
+    rec = live_record(cloud, path)
+    fetched_at = float(rec["fetched_at"]) if rec else None
+    if rec:
+        when = _dt.datetime.fromtimestamp(fetched_at, _dt.timezone.utc)
+        source = f"{rec.get('source') or cloud + ' api'}, {age_text(time.time() - fetched_at)}"
+        date = when.strftime("%Y-%m-%d %H:%M UTC")
+    else:
+        source, date = f"skypilot catalog {cloud}/vms.csv ({mtime})", mtime
+    spot_live = (rec or {}).get("spot") or {}
     rows = []
     for r in reader:
         count = _positive(r.get("AcceleratorCount"))
@@ -181,19 +197,44 @@ def catalog_rows(provider: str) -> list[PriceRow]:
         if count is None or price is None or count != int(count):
             continue
         n = int(count)
-        gpu = variant_of(cloud, r.get("AcceleratorName") or "", r.get("InstanceType") or "",
-                         r.get("GpuInfo") or "", n)
+        it = r.get("InstanceType") or ""
+        gpu = variant_of(cloud, r.get("AcceleratorName") or "", it, r.get("GpuInfo") or "", n)
         if gpu is None:
             continue
         spot = _positive(r.get("SpotPrice"))
+        spot, spot_note = _spot_figure(cloud, it, n, price, spot, bool(rec), spot_live)
         rows.append(PriceRow(
             provider=provider, gpu=gpu, region=r.get("Region") or ANY_REGION, gpus_per_node=n,
-            price=price / n, spot_price=(spot / n) if spot else None,
+            price=price / n, spot_price=spot,
             spot_sold=provider in ("runpod", "vast"),
-            source=f"skypilot catalog {cloud}/vms.csv ({mtime})", date=mtime,
-            note=r.get("InstanceType") or "", instance_type=r.get("InstanceType") or None,
+            source=source, date=date, note=it, instance_type=it or None,
+            fetched_at=fetched_at, spot_note=spot_note,
         ))
     return rows
+
+
+def _spot_figure(cloud: str, instance_type: str, n: int, price: float, spot: float | None, live: bool,
+                 spot_live: dict[str, Any]) -> tuple[float | None, str]:
+    """(spot USD per GPU-hour or None, what it is and what SkyPilot bids) for one catalog row."""
+    if spot is None:
+        return None, ""
+    if not live and spot >= price:
+        # SkyPilot's hosted RunPod catalog carries spot = on-demand: not a spot figure.
+        return None, "the catalog's spot price equals on-demand (not a live spot figure)"
+    per_gpu = spot / n
+    if cloud == "runpod":
+        note = f"SkyPilot bids ${per_gpu:.2f}/GPU-h (bid_per_gpu: the catalog's spot price)"
+        floor = (spot_live.get("min_bid_per_gpu") or {}).get(instance_type)
+        if isinstance(floor, (int, float)) and floor > per_gpu + 1e-9:
+            note += f"; BELOW RunPod's minimum bid ${floor:.2f}/GPU-h: the pod may not be placed"
+        elif isinstance(floor, (int, float)):
+            note += f"; RunPod's minimum bid ${floor:.2f}/GPU-h"
+        return per_gpu, note
+    if cloud == "vast":
+        if not live:
+            return per_gpu, "the catalog's spot price (not fetched by dtrun)"
+        return per_gpu, f"dtrun bids ${spot:.2f}/h per instance (highest min_bid on the continent)"
+    return per_gpu, ""
 
 
 def price_rows(provider: str) -> list[PriceRow]:
@@ -300,8 +341,10 @@ def _rows_to_offers(rows: list[PriceRow], req: Requirements) -> list[Offer]:
             if spot:
                 if r.spot_price is not None:
                     price = r.spot_price
+                    if r.spot_note:
+                        source = f"{r.source}; {r.spot_note}"
                 else:
-                    source = f"{r.source}; {UNKNOWN_SPOT}"
+                    source = f"{r.source}; {UNKNOWN_SPOT}" + (f" ({r.spot_note})" if r.spot_note else "")
             if req.max_price_per_gpu_hour is not None and price > req.max_price_per_gpu_hour:
                 continue
             groups.setdefault((r.provider, r.gpu, spot), {}).setdefault(r.instance_type, []).append(
@@ -327,13 +370,16 @@ def _rows_to_offers(rows: list[PriceRow], req: Requirements) -> list[Offer]:
             regions = []
         else:
             region = regions[0] if len(regions) == 1 else ANY_REGION
+        known = not spot or row.spot_price is not None
         out.append(Offer(
             provider=provider, region=region, gpu=gpu,
             gpus_per_node=row.gpus_per_node, spot=spot, price_per_gpu_hour=round(price, 4),
             price_source=source, price_date=row.date, nodes=req.nodes, instance_type=it,
-            regions=tuple(regions),
+            regions=tuple(regions), price_known=known,
+            spot_bid=round(price, 4) if spot and known and row.fetched_at is not None else None,
+            price_fetched_at=row.fetched_at,
         ))
-    return sorted(out, key=lambda o: (o.price_per_gpu_hour, o.provider, o.gpu, o.spot))
+    return sorted(out, key=lambda o: (not o.price_known, o.price_per_gpu_hour, o.provider, o.gpu, o.spot))
 
 
 def catalog_offers(provider: str, req: Requirements) -> list[Offer]:

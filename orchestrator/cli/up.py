@@ -241,6 +241,16 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
         else:
             con.print(f"  total          {_hours(est.hours)} → expected {_money(est.expected_usd)}, "
                       f"with {b.get('buffer_basis') or f'{est.buffer:.0%} buffer'} [bold]{_money(est.cost_usd)}[/]")
+    sc = plan.spot_choice
+    if sc and sc.get("won"):
+        con.print(f"[bold]Spot or on-demand:[/] {escape(sc['why'])}")
+        for label, side in (("best spot", sc.get("spot")), ("best on-demand", sc.get("on_demand"))):
+            if side:
+                bid = f", bid ${side['spot_bid']:.2f}/GPU-h" if side.get("spot_bid") else ""
+                pre = (f", ~{side['expected_preemptions']:.1f} preemptions at {side['preemptions_per_hour']:g}/h = "
+                       f"{_hours(side['preemption_overhead_hours'])} overhead" if side.get("preemptions_per_hour") else "")
+                con.print(f"  {label:15}{side['offer']} ${side['price_per_gpu_hour']:.2f}/GPU-h{bid}: expected "
+                          f"{_money(side['expected_usd'])} over {_hours(side['hours'])}{pre}")
     mem = report.get("plan")
     if mem:
         ok = report.get("fits_memory", mem.get("fits"))
@@ -337,9 +347,11 @@ def cmd_dry_run(job: Path, json_out: bool, strict: bool = False, force: bool = F
     spec = load_spec(job)
     check_offline(spec, str(job))  # malformed, unusable scheme, unwritable run folder, no shards: exit 6
     check_data_vocab(spec, str(job), remote=False)
+    refreshed = refresh_prices(list(spec.resources.providers), stale_only=True)
     plan = make_plan(run_spec(spec), usable_only=True)
     check_run_uri_reachable(spec, plan, str(job))
     report = plan_report(spec, plan)
+    report["price_refresh"] = refreshed
     code = verdict_exit_code(spec, plan, report, strict, force)
     if force and report.get("does_not_fit"):
         report["warnings"] = [FORCE_WARNING]
@@ -380,7 +392,26 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
-def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None) -> None:
+def refresh_prices(clouds: list[str] | None, stale_only: bool) -> list[dict[str, Any]]:
+    """Run SkyPilot's fetchers (``providers.skypilot.prices``); one line per cloud on stderr."""
+    from providers.skypilot import prices as live
+
+    if stale_only:
+        results = live.refresh_stale([c for c in (clouds or live.CLOUDS) if c in live.CLOUDS])
+    else:
+        results = live.refresh(clouds)
+        if not results:
+            why = "; ".join(f"{c}: {p}" for c, p in live.usable_clouds().items() if p)
+            sys.stderr.write(f"prices: no cloud with usable credentials to refresh ({why}); "
+                             "prices stay the cached catalogs or the bundled snapshot\n")
+    for r in results:
+        sys.stderr.write(f"prices: {r.message}\n")
+    return [r.to_dict() for r in results]
+
+
+def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None, refresh: bool = False) -> None:
+    import time
+
     from orchestrator.contract.errors import UsageError
     from orchestrator.contract.gpus import canonical_gpu
     from providers import registry
@@ -393,6 +424,7 @@ def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None) -> None:
 
             raise UsageError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
         gpu = g
+    refreshed = refresh_prices(None, stale_only=False) if refresh else []
     caps = {}
     for name in RENTABLE:
         c = registry.get(name).capabilities()
@@ -408,18 +440,24 @@ def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None) -> None:
             kinds.append((False, r.price, r.source))
         if spot is not False and r.spot_sold and caps[r.provider]["spot"]["supported"]:
             if r.spot_price is not None:
-                kinds.append((True, r.spot_price, r.source))
+                kinds.append((True, r.spot_price, r.source + (f"; {r.spot_note}" if r.spot_note else "")))
             else:
-                kinds.append((True, r.price, f"{r.source}; {UNKNOWN_SPOT}"))
+                kinds.append((True, r.price, f"{r.source}; {UNKNOWN_SPOT}"
+                              + (f" ({r.spot_note})" if r.spot_note else "")))
         for is_spot, price, source in kinds:
+            known = not is_spot or r.spot_price is not None
             rows.append({
                 "provider": r.provider, "region": r.region, "gpu": r.gpu,
                 "gpus_per_node": r.gpus_per_node, "spot": is_spot,
                 "price_per_gpu_hour": round(price, 4), "price_source": source, "price_date": r.date,
+                "price_known": known,
+                "spot_bid": round(price, 4) if is_spot and known and r.fetched_at is not None else None,
+                "price_fetched_at": r.fetched_at,
+                "price_age_seconds": round(time.time() - r.fetched_at, 1) if r.fetched_at else None,
                 "note": r.note,
             })
     if json_out:
-        sys.stdout.write(json.dumps({"prices": rows, "capabilities": caps}) + "\n")
+        sys.stdout.write(json.dumps({"prices": rows, "capabilities": caps, "refresh": refreshed}) + "\n")
         return
     from rich.table import Table
 
@@ -513,6 +551,7 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
     # What the nodes run: auto resolved (degrees, micro-batch, checkpointing); the report judges
     # the spec as written (what auto was allowed to change).
     spec = run_spec(written)
+    refresh_prices(list(spec.resources.providers), stale_only=True)
     plan = make_plan(spec, usable_only=True)
     if plan.chosen is None and plan.unusable:
         # Every offer is on a provider whose credentials are missing: exit 5 before any spend,
@@ -533,6 +572,10 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
             _err("no offer fits: " + ("; ".join(plan.refusals) or "no provider offers this GPU") + "; nothing rented")
         elif code == EXIT_INVALID:
             _err(f"--strict: {len(report.get('traps', []))} known trap(s); nothing rented")
+        elif (plan.estimate and (dl := plan.estimate.breakdown.get("deadline")) and not dl["cut"]):
+            _err(f"the estimate ({_hours(dl['estimate_hours'])}) is longer than budget.max_hours "
+                 f"({dl['max_hours']:g} h): about {dl['steps_by_deadline']:,} of {spec.trainer.total_steps:,} steps "
+                 "would be trained by then; nothing rented (budget.cut_at_deadline: true if it is meant to cut)")
         else:
             _err("the estimate is over budget.max_usd; nothing rented")
         return code
@@ -709,9 +752,11 @@ def prices(
     gpu: Annotated[Optional[str], typer.Argument(help="Only this GPU type (e.g. H100).")] = None,
     json_out: JsonOpt = False,
     spot: Annotated[Optional[bool], typer.Option("--spot/--on-demand", help="Only spot or only on-demand.")] = None,
+    refresh: Annotated[bool, typer.Option(
+        "--refresh", help="Fetch live prices (SkyPilot's fetchers) for the clouds with usable credentials first.")] = False,
 ) -> None:
     """Print the price table: provider, region, GPU, spot, $/GPU-hour and where each price came from."""
-    cmd_prices(gpu, json_out, spot)
+    cmd_prices(gpu, json_out, spot, refresh)
 
 
 @app.command()

@@ -78,6 +78,9 @@ class Plan:
     """Offers of the ``unusable`` providers, ranked like ``offers``: priced and shown ("needs
     credentials"), never rented (the controller fails over across ``offers`` only)."""
     locked_estimates: list[Estimate] = field(default_factory=list)
+    spot_choice: dict[str, Any] | None = None
+    """For ``spot: prefer``: the best spot and the best on-demand offer with their expected cost
+    and preemption overhead, and which won (:func:`spot_choice`)."""
 
     @property
     def within_budget(self) -> bool:
@@ -134,6 +137,7 @@ class Plan:
             "refusals": self.refusals,
             "unusable": self.unusable,
             "checkpoint_every_steps": self.checkpoint_every_steps,
+            "spot_choice": self.spot_choice,
         }
 
 
@@ -462,8 +466,10 @@ def make_plan(spec: JobSpec, preemptions_per_hour: float | None = None,
         scored = []
         for o in offers:
             est, every = estimate_offer(spec, o, preemptions_per_hour)
-            scored.append((est.expected_usd, o.price_per_gpu_hour, o.key(), o, est, every))
-        return sorted(scored, key=lambda s: s[:3])
+            # An offer whose price is unknown (spot without a spot figure, priced at on-demand as
+            # an upper bound) ranks after every offer whose price is known.
+            scored.append((not o.price_known, est.expected_usd, o.price_per_gpu_hour, o.key(), o, est, every))
+        return [s[1:] for s in sorted(scored, key=lambda s: s[:4])]
 
     scored, scored_locked = rank(offers), rank(locked)
     ranked = [s[3] for s in scored]
@@ -473,6 +479,46 @@ def make_plan(spec: JobSpec, preemptions_per_hour: float | None = None,
     first = scored[0] if scored else scored_locked[0] if scored_locked else None
     every = first[5] if first else (spec.checkpoint.every_steps if spec.checkpoint.every_steps != "auto" else 0)
     step_s = first[4].breakdown["step_seconds"] if first else step_seconds(spec)
+    choice = None
+    if spec.resources.spot == "prefer":
+        pool = [(s[3], s[4]) for s in scored] or [(s[3], s[4]) for s in scored_locked]
+        choice = spot_choice(pool)
     return Plan(offers=ranked, estimates=ests, chosen=chosen, estimate=est, refusals=refusals,
                 step_seconds=step_s, checkpoint_every_steps=int(every), unusable=unusable,
-                locked=[s[3] for s in scored_locked], locked_estimates=[s[4] for s in scored_locked])
+                locked=[s[3] for s in scored_locked], locked_estimates=[s[4] for s in scored_locked],
+                spot_choice=choice)
+
+
+def spot_choice(ranked: list[tuple[Offer, Estimate]]) -> dict[str, Any]:
+    """Why spot, why not: the best (first-ranked) spot offer with a known price and the best
+    on-demand offer, each with its expected cost and the preemption overhead it carries, and
+    which one the ranking put first."""
+
+    def side(o: Offer | None, e: Estimate | None) -> dict[str, Any] | None:
+        if o is None or e is None:
+            return None
+        b = e.breakdown
+        return {"offer": o.key(), "price_per_gpu_hour": o.price_per_gpu_hour, "spot_bid": o.spot_bid,
+                "expected_usd": round(e.expected_usd, 4), "hours": round(e.hours, 4),
+                "expected_preemptions": b.get("expected_preemptions"),
+                "preemption_overhead_hours": round(b.get("preemption_overhead_hours") or 0.0, 4),
+                "preemptions_per_hour": b.get("preemptions_per_hour"), "price_source": o.price_source}
+
+    spot = next(((o, e) for o, e in ranked if o.spot and o.price_known), (None, None))
+    unknown = [o.key() for o, _e in ranked if o.spot and not o.price_known]
+    od = next(((o, e) for o, e in ranked if not o.spot), (None, None))
+    s, d = side(*spot), side(*od)
+    if s and d:
+        won = "spot" if s["expected_usd"] < d["expected_usd"] else "on-demand"
+        diff = abs(s["expected_usd"] - d["expected_usd"])
+        why = (f"{won} is cheaper in expected cost by ${diff:,.2f} (spot ${s['expected_usd']:,.2f} with "
+               f"{s['preemption_overhead_hours']:.2f} h of preemption overhead vs on-demand ${d['expected_usd']:,.2f})")
+    elif d:
+        won = "on-demand"
+        why = ("no spot offer has a known spot price" + (f" ({', '.join(unknown)}: spot price unknown)" if unknown else "")
+               + ": on-demand, priced for real, wins")
+    elif s:
+        won, why = "spot", "no on-demand offer: spot"
+    else:
+        won, why = None, "no offer"
+    return {"spot": s, "on_demand": d, "won": won, "why": why, "spot_unknown": unknown}

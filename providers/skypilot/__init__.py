@@ -186,6 +186,13 @@ def build_task_config(cloud: str, request: LaunchRequest) -> dict[str, Any]:
         # SkyPilot's task ``secrets``: set in the node's environment like ``envs``, but redacted
         # in SkyPilot's logs, its cluster records and every YAML it writes.
         cfg["secrets"] = {k: str(v) for k, v in request.secrets.items()}
+    if cloud == "vast" and offer.spot and offer.spot_bid:
+        # SkyPilot 0.14.1 bids Vast's `min_bid` of the offer its launch search finds, and that
+        # search's chunking floors every min_bid to 0 (vastai.utils): it would bid $0. dtrun's
+        # quote is the live bid it fetched (providers.skypilot.fetch); SkyPilot places it through
+        # the task-level `vast.create_instance_kwargs.price` (USD per instance-hour).
+        cfg["config"] = {"vast": {"create_instance_kwargs": {
+            "price": round(offer.spot_bid * offer.gpus_per_node, 4)}}}
     return cfg
 
 

@@ -54,9 +54,10 @@ def test_gpt2_dry_run_json(capsys):
         for key in ("provider", "region", "gpu", "gpus_per_node", "nodes", "spot", "price_per_gpu_hour"):
             assert key in o
         assert gpu_matches("H100", o["gpu"]) and o["gpus_per_node"] == 8
-    # Ranked by expected cost; the chosen one is the first.
-    costs = [o["expected_usd"] for o in offers]
-    assert costs == sorted(costs)
+    # Ranked by expected cost, offers with an unknown (spot) price after the known ones; the
+    # chosen one is the first.
+    keys = [(not o["price_known"], o["expected_usd"]) for o in offers]
+    assert keys == sorted(keys)
     assert out["chosen"] == offers[0]
     # Spot only where it is sold (RunPod, Vast); never on Lambda or Modal.
     assert not any(o["spot"] for o in offers if o["provider"] in ("lambda", "modal"))
