@@ -87,6 +87,15 @@ def job_cost(store: StateStore, job: dict) -> dict[str, Any]:
     for s in store.spend_by_attempt(job["name"]):
         a = atts.get(s["attempt"], {})
         offer = a.get("offer") or {}
+        quoted = None
+        if offer.get("price_per_gpu_hour") is not None:
+            quoted = {
+                "price_per_gpu_hour": offer["price_per_gpu_hour"],
+                "price_per_hour": round(offer["price_per_gpu_hour"] * (offer.get("gpus_per_node") or 1)
+                                        * (offer.get("nodes") or 1), 6),
+                "source": offer.get("price_source"), "fetched_at": offer.get("price_fetched_at"),
+                "spot_bid": offer.get("spot_bid"), "price_known": offer.get("price_known", True),
+            }
         rows.append({
             "attempt": s["attempt"], "provider": a.get("provider"),
             "offer": (f"{offer.get('provider')}/{offer.get('region')}/{offer.get('gpu')}x{offer.get('gpus_per_node')}"
@@ -95,6 +104,7 @@ def job_cost(store: StateStore, job: dict) -> dict[str, Any]:
             "billing": not s["closed"], "booked_until": s["billed_until"],
             "outcome": a.get("outcome"), "reason": a.get("reason"), "note": OUTCOME_NOTES.get(a.get("outcome")),
             "start_step": a.get("start_step"), "end_step": a.get("end_step"),
+            "quoted": quoted,
         })
     total = sum(r["usd"] for r in rows)
     out = {
@@ -144,6 +154,12 @@ def cmd_cost(job: str | None, json_out: bool) -> int:
             typer.echo(f"  attempt {a['attempt']:>3}  {a['offer'] or a['provider'] or '?':36} "
                        f"${a['price_per_hour']:.4f}/h × {a['seconds'] / 3600:.3f} h = ${a['usd']:.4f}"
                        f"  {a['outcome'] or ('billing' if a['billing'] else '')}{steps}")
+            q = a.get("quoted")
+            if q:
+                bid = f", bid ${q['spot_bid']:.2f}/GPU-h" if q.get("spot_bid") else ""
+                same = "" if abs(q["price_per_hour"] - a["price_per_hour"]) < 1e-6 else "  (differs from the quote)"
+                typer.echo(f"               quoted ${q['price_per_gpu_hour']:.2f}/GPU-h = ${q['price_per_hour']:.4f}/h{bid} "
+                           f"({q.get('source') or 'no source'}); booked at ${a['price_per_hour']:.4f}/h{same}")
             if a.get("note"):
                 typer.echo(f"               ({a['note']})")
     if job is None and len(reports) > 1:

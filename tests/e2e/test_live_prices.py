@@ -104,6 +104,12 @@ def test_spot_prefer_dry_run_picks_the_cheaper_expected_cost_and_says_why(refres
     text = dtrun(env, "up", str(job), "--dry-run")
     assert "Spot or on-demand: spot is cheaper in expected cost" in text.stdout
     assert "api" in text.stdout and "ago" in text.stdout
+    # `dtrun simulate` plans from the same live prices.
+    sim = dtrun(env, "simulate", str(job), "--runs", "3", "--json")
+    assert sim.returncode == 0, sim.stderr
+    s = json.loads(sim.stdout)
+    assert s["offer"] == f"{out['chosen']['provider']}/{out['chosen']['region']}/{out['chosen']['gpu']}x8/spot"
+    assert s["price_per_hour"] == pytest.approx(out["chosen"]["price_per_hour"])
     # Pinned to on-demand when the spot side is dearer: raise the preemption rate until it is.
     data["resources"]["preemptions_per_hour"] = 12.0
     job.write_text(yaml.safe_dump(data))

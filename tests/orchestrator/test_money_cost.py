@@ -64,3 +64,15 @@ def test_cost_unknown_job_is_one_line_exit_6(dtrun_home, capsys):
     assert main(["cost", "nope"]) == 6
     err = capsys.readouterr().err
     assert "no job named 'nope'" in err and "Traceback" not in err
+
+
+def test_cost_shows_the_quoted_price_beside_the_booked_one(dtrun_home):
+    store = StateStore()
+    _fill(store)
+    d = json.loads(CliRunner().invoke(app, ["cost", "gpt", "--json"]).output)
+    a1 = d["attempts"][0]
+    assert a1["quoted"]["price_per_gpu_hour"] == SPOT.price_per_gpu_hour
+    assert a1["quoted"]["price_per_hour"] == a1["price_per_hour"] == SPOT.price_per_hour
+    assert a1["quoted"]["source"] == SPOT.price_source
+    out = CliRunner().invoke(app, ["cost", "gpt"]).output
+    assert f"quoted ${SPOT.price_per_gpu_hour:.2f}/GPU-h" in out and f"booked at ${SPOT.price_per_hour:.4f}/h" in out
