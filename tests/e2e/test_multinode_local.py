@@ -9,13 +9,12 @@ In `make e2e`, not `make test`: three two-node runs take minutes on the shared b
 from __future__ import annotations
 
 import signal
-import socket
 import time
 
 import pytest
 
 from orchestrator.contract import runuri
-from tests.trainer.conftest import Trainer, wait_for
+from tests.trainer.conftest import Trainer, free_port, two_nodes, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -31,16 +30,9 @@ SLOW = {"DTRUN_DEBUG_STEP_SLEEP": "0.3"}
 HSDP = {"dp_replicate": 2, "dp_shard": 2}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cluster(trainer, job, env=None):
-    port = _port()
-    return [trainer.start(job, 2, env=env, launch=["--nnodes", "2", "--node-rank", str(r), "--master-addr",
-                                                     "127.0.0.1", "--master-port", str(port)]) for r in (0, 1)]
+    port = free_port()
+    return [trainer.start(job, 2, env=env, launch=two_nodes(port, r)) for r in (0, 1)]
 
 
 def _finish(nodes, timeout=240):

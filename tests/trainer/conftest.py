@@ -102,6 +102,20 @@ class Trainer:
                 p.wait(timeout=30)
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a torchrun rendezvous of several launchers)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(port: int, rank: int) -> list[str]:
+    """torchrun's flags for node ``rank`` of a two-node static rendezvous on 127.0.0.1."""
+    return ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+
+
 def wait_for(cond, timeout: float = 120, every: float = 0.1, what: str = "condition") -> None:
     end = time.time() + timeout
     while time.time() < end:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import DENSE, MOE, Trainer, losses, torchrun_script
+from conftest import DENSE, MOE, Trainer, free_port, losses, torchrun_script, two_nodes
 
 from orchestrator.contract import runuri
 from orchestrator.plan.presets import ModelSpec
@@ -126,14 +126,6 @@ def test_replicate_ddp_rung_world2_matches_world1(trainer, tmp_path, refs):
     assert all(r["params"] == 4 * n for r in runuri.read_json(runuri.join(uri, "DONE"))["state_bytes_per_rank"])
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_hsdp_two_nodes_of_two_ranks_matches_world1(trainer, tmp_path, refs):
     """HSDP (dp_replicate 2 × dp_shard 2) as two "nodes": two torchrun launchers, --nnodes 2 with
     a static rendezvous on 127.0.0.1 (what the node bootstrap runs on each node of a cluster).
@@ -142,9 +134,8 @@ def test_hsdp_two_nodes_of_two_ranks_matches_world1(trainer, tmp_path, refs):
     uri = f"file://{tmp_path}/hsdp"
     job = trainer.job("hsdp", nproc=4, run_uri=uri, model=DENSE, steps=STEPS, optimizer="muon",
                       activation_checkpointing="full", parallel={"dp_replicate": 2, "dp_shard": 2})
-    port = _free_port()
-    nodes = [trainer.start(job, 2, launch=["--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
-                                             "--master-port", str(port)]) for r in (0, 1)]
+    port = free_port()
+    nodes = [trainer.start(job, 2, launch=two_nodes(port, r)) for r in (0, 1)]
     outs = []
     for p in nodes:
         out, _ = p.communicate(timeout=240)
