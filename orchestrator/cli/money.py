@@ -83,6 +83,11 @@ def job_cost(store: StateStore, job: dict) -> dict[str, Any]:
     included) beside the plan's estimate."""
     est = json.loads(job["estimate_json"]) if job.get("estimate_json") else None
     atts = {a["n"]: a for a in store.attempts(job["name"])}
+    launched: dict[int, float] = {}   # what the provider says it rented (SkyPilot's launched resources)
+    for node in store.nodes(job["name"]):
+        p = ((node.get("handle") or {}).get("data") or {}).get("launched_price_per_hour")
+        if isinstance(p, (int, float)):
+            launched[node["attempt"]] = launched.get(node["attempt"], 0.0) + float(p)
     rows = []
     for s in store.spend_by_attempt(job["name"]):
         a = atts.get(s["attempt"], {})
@@ -105,6 +110,7 @@ def job_cost(store: StateStore, job: dict) -> dict[str, Any]:
             "outcome": a.get("outcome"), "reason": a.get("reason"), "note": OUTCOME_NOTES.get(a.get("outcome")),
             "start_step": a.get("start_step"), "end_step": a.get("end_step"),
             "quoted": quoted,
+            "launched_price_per_hour": launched.get(s["attempt"]),
         })
     total = sum(r["usd"] for r in rows)
     out = {
@@ -158,8 +164,10 @@ def cmd_cost(job: str | None, json_out: bool) -> int:
             if q:
                 bid = f", bid ${q['spot_bid']:.2f}/GPU-h" if q.get("spot_bid") else ""
                 same = "" if abs(q["price_per_hour"] - a["price_per_hour"]) < 1e-6 else "  (differs from the quote)"
+                rented = (f"; the provider launched it at ${a['launched_price_per_hour']:.4f}/h"
+                          if a.get("launched_price_per_hour") is not None else "")
                 typer.echo(f"               quoted ${q['price_per_gpu_hour']:.2f}/GPU-h = ${q['price_per_hour']:.4f}/h{bid} "
-                           f"({q.get('source') or 'no source'}); booked at ${a['price_per_hour']:.4f}/h{same}")
+                           f"({q.get('source') or 'no source'}); booked at ${a['price_per_hour']:.4f}/h{same}{rented}")
             if a.get("note"):
                 typer.echo(f"               ({a['note']})")
     if job is None and len(reports) > 1:

@@ -432,8 +432,15 @@ class SkyPilotProvider(Provider):
         except Exception as e:
             raise map_sky_error(e, self.cloud) from None
         self._memo(cluster, job_id=job_id, ever_up=True)
+        data: dict[str, Any] = {"cluster": cluster, "job_id": job_id, "cloud": self.cloud}
+        from providers.skypilot import api as sky_api
+
+        with sky_api._PRICES_LOCK:
+            launched = sky_api.LAUNCHED_PRICES.pop(cluster, None)
+        if launched is not None:
+            data["launched_price_per_hour"] = round(launched, 6)  # what SkyPilot says it rented
         return Handle(provider=self.cloud, name=cluster, instance_id=cluster, region=offer.region,
-                      launched_at=started, data={"cluster": cluster, "job_id": job_id, "cloud": self.cloud})
+                      launched_at=started, data=data)
 
     def poll(self, handle: Handle) -> NodeState:
         cluster = handle.data.get("cluster", handle.instance_id)

@@ -91,6 +91,21 @@ _SERVER = {"checked": False, "started_by_dtrun": False}
 """One per process: every SkyAPI (one per cloud) shares the one local server."""
 
 
+LAUNCHED_PRICES: dict[str, float] = {}
+"""cluster → USD per hour of what SkyPilot launched (its ``launched_resources`` priced from the
+catalog it launched from: spot or on-demand, region, nodes), for the launch's ``Handle``."""
+_PRICES_LOCK = threading.Lock()
+
+
+def launched_price_per_hour(handle: Any) -> float | None:
+    """SkyPilot's own price for a launched cluster handle (None when it cannot say)."""
+    try:
+        res = handle.launched_resources
+        return float(res.get_cost(3600.0)) * int(handle.launched_nodes or 1)
+    except Exception:  # noqa: BLE001 — a handle without resources or a catalog miss: no figure
+        return None
+
+
 class SkyAPI:
     """Thin wrapper over ``sky.launch/status/queue/down/tail_logs`` + ``sky.get``.
 
@@ -166,7 +181,11 @@ class SkyAPI:
         task = task_from_config(config)
         request_id = sky.launch(task, cluster_name=cluster_name, idle_minutes_to_autostop=idle_minutes,
                                 down=True, retry_until_up=False)
-        job_id, _handle = sky.get(request_id)
+        job_id, handle = sky.get(request_id)
+        price = launched_price_per_hour(handle)
+        if price is not None:
+            with _PRICES_LOCK:
+                LAUNCHED_PRICES[cluster_name] = price
         return job_id
 
     def status(self, cluster_names: list[str] | None = None, refresh: bool = True) -> list[ClusterRecord]:

@@ -76,3 +76,11 @@ def test_cost_shows_the_quoted_price_beside_the_booked_one(dtrun_home):
     assert a1["quoted"]["source"] == SPOT.price_source
     out = CliRunner().invoke(app, ["cost", "gpt"]).output
     assert f"quoted ${SPOT.price_per_gpu_hour:.2f}/GPU-h" in out and f"booked at ${SPOT.price_per_hour:.4f}/h" in out
+    # What the provider says it launched (SkyPilot's launched resources, in the node's handle).
+    from providers.base import Handle
+
+    h = Handle("fake", "dtrun-gpt-a2", "i-2", data={"launched_price_per_hour": 23.5})
+    store.add_node("gpt", 2, h.to_dict(), t=1_700_000_000.0)
+    d = json.loads(CliRunner().invoke(app, ["cost", "gpt", "--json"]).output)
+    assert d["attempts"][1]["launched_price_per_hour"] == 23.5 and d["attempts"][0]["launched_price_per_hour"] is None
+    assert "the provider launched it at $23.5000/h" in CliRunner().invoke(app, ["cost", "gpt"]).output

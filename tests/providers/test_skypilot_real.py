@@ -336,6 +336,11 @@ def test_adapter_over_skypilots_records(sky_offline, monkeypatch, credentials):
     task = launch["task"]
     assert [str(r.region) for r in task.resources] == ["US", "CA"]  # ordered candidates, one launch
     assert launch["down"] is True and launch["retry_until_up"] is False
+    # What SkyPilot says it launched, priced by SkyPilot (`dtrun cost` shows it beside the quote).
+    import sky
+
+    assert h.data["launched_price_per_hour"] == pytest.approx(
+        sky.Resources(infra="runpod/US", instance_type="8x_H100-SXM_SECURE").get_cost(3600))
     assert p.poll(h) is NodeState.RUNNING
     c = sdk.clusters[h.name]
     c["status"] = "AUTOSTOPPING"
