@@ -359,13 +359,7 @@ class CheckpointManager:
 
     def _retain(self) -> None:
         try:
-            steps = runuri.checkpoint_steps(self.run_uri)
-            committed = [s for s in steps if runuri.committed(self.run_uri, s) is not None]
-            keep = set(committed[-self.keep:])
-            newest = committed[-1] if committed else -1
-            for s in steps:
-                if s not in keep and s <= newest:
-                    runuri.remove(runuri.checkpoint_uri(self.run_uri, s), recursive=True)
+            runuri.retain(self.run_uri, self.keep)
         except Exception as e:  # noqa: BLE001 - retention is best effort
             log.warning("checkpoint retention failed: %s", _short(e))
 

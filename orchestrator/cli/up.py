@@ -94,7 +94,7 @@ def run_spec(spec: JobSpec) -> JobSpec:
     """The spec the nodes will run: ``trainer.parallel: auto`` resolved to the planner's choice
     (degrees, micro-batch, activation checkpointing) — the smallest plan even when none fits, so
     the estimate prices what ``--force`` would rent. Explicit degrees: the spec itself."""
-    if spec.trainer.parallel != "auto":
+    if spec.trainer is None or spec.trainer.parallel != "auto":
         return spec
     from orchestrator.contract.errors import SpecError
     from orchestrator.plan.planner import resolve_parallel
@@ -109,6 +109,19 @@ def plan_report(spec: JobSpec, plan: Plan) -> dict[str, Any]:
     """The dry run's JSON object (also what `dtrun up` shows before asking)."""
     out: dict[str, Any] = {"job": spec.name, "run_uri": spec.run_uri}
     out.update(plan.to_dict())
+    if spec.command is not None:
+        from orchestrator.run.codeship import code_report
+
+        out["steps"] = spec.command.steps
+        out["tokens"] = int(spec.command.tokens) if spec.command.tokens else None
+        out["command"] = {"run": spec.command.run, "torchrun": spec.command.torchrun,
+                          "checkpoint_format": spec.command.checkpoint_format,
+                          "code": code_report(spec)}
+        # Your code's memory is yours: no memory plan and no trainer traps for a command job.
+        out.update({"plan": None, "fits_memory": True, "does_not_fit": None, "traps": []})
+        if out.get("chosen") is not None:
+            out["chosen"]["fits_memory"] = True
+        return out
     out["steps"] = spec.trainer.total_steps
     out["tokens"] = spec.trainer.total_tokens
     extra = _memory_and_traps(spec, plan, out.get("offers") or [])
@@ -159,9 +172,20 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
     report = report or plan_report(spec, plan)
     r = spec.resources
     spot_word = {True: "spot", False: "on-demand", "prefer": "spot or on-demand"}[r.spot]
-    con.print(f"[bold]{spec.name}[/]: {spec.trainer.model if isinstance(spec.trainer.model, str) else 'custom model'}, "
-              f"{spec.trainer.total_steps:,} steps ({spec.trainer.total_tokens:,} tokens) on "
-              f"{r.nodes}×{r.gpus_per_node} {r.gpu} ({spot_word}); run URI {spec.run_uri}")
+    if spec.command is not None:
+        c = spec.command
+        con.print(f"[bold]{spec.name}[/]: your command ({'torchrun ' if c.torchrun else ''}{c.run}; "
+                  f"checkpoints: {c.checkpoint_format}) on {r.nodes}×{r.gpus_per_node} {r.gpu} ({spot_word}); "
+                  f"run URI {spec.run_uri}")
+        code = report.get("command", {}).get("code") or {}
+        con.print(f"  code           {code.get('folder')}: {code.get('files', 0)} files, "
+                  f"{code.get('bytes', 0) / 2**20:.1f} MiB shipped")
+        for left in code.get("left_out", []):
+            con.print(f"[yellow]warning[/] not shipped: {left}")
+    else:
+        con.print(f"[bold]{spec.name}[/]: {spec.trainer.model if isinstance(spec.trainer.model, str) else 'custom model'}, "
+                  f"{spec.trainer.total_steps:,} steps ({spec.trainer.total_tokens:,} tokens) on "
+                  f"{r.nodes}×{r.gpus_per_node} {r.gpu} ({spot_word}); run URI {spec.run_uri}")
     from rich import box
     from rich.markup import escape
 
@@ -217,6 +241,12 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
                       f"× {b['gpus']} GPUs = ${b['price_per_hour']:.2f}/h")
         if b["hours_source"] == "budget.hours":
             con.print(f"  hours          {_hours(spec.budget.hours or 0)} (budget.hours)")
+        elif spec.command is not None:
+            src = b["hours_source"]
+            if b["params"] and b["tokens"] and not src.startswith("command.hours"):
+                src = (f"6 × {b['params'] / 1e6:,.1f}M params × {b['tokens'] / 1e9:,.3g}B tokens / "
+                       f"({b['gpus']} × {_flops(b['peak_flops_per_gpu'])} × MFU {b['mfu']:.2f})")
+            con.print(f"  compute        {_hours(b['compute_hours'])}  = {src}")
         elif b.get("step_floor_seconds") and b["step_seconds"] <= b["step_floor_seconds"]:
             con.print(f"  compute        {_hours(b['compute_hours'])}  = {b['steps']:,} steps × {b['step_seconds'] * 1e3:.1f} ms, "
                       f"the per-step floor (launching the step's kernels: operators × ~10 µs; the FLOPs alone "
@@ -276,7 +306,9 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
     if est:
         dl = est.breakdown.get("deadline")
         if dl:
-            trained = (f"by the deadline about {dl['steps_by_deadline']:,} of {spec.trainer.total_steps:,} steps "
+            trained = (f"by the deadline about {dl['fraction_trained']:.0%} of the run would be done"
+                       if spec.command is not None else
+                       f"by the deadline about {dl['steps_by_deadline']:,} of {spec.trainer.total_steps:,} steps "
                        f"({dl['fraction_trained']:.0%}, {dl['tokens_by_deadline']:,} tokens) would be trained")
             if dl["cut"]:
                 con.print(f"[yellow]Deadline:[/] the estimate ({_hours(dl['estimate_hours'])}) is longer than "

@@ -245,6 +245,69 @@ def list_dir(uri: str) -> list[str]:
     return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
 
+def put_file(local: str, uri: str) -> None:
+    """Copy a local file to ``uri`` (a whole-object PUT on S3; tmp + rename on local disk)."""
+    lp = local_path(uri)
+    if lp is not None:
+        import shutil
+
+        os.makedirs(os.path.dirname(lp) or ".", exist_ok=True)
+        tmp = f"{lp}.tmp.{os.getpid()}"
+        shutil.copyfile(local, tmp)
+        os.replace(tmp, lp)
+        return
+    fs, path = _fs(uri)
+    with _store_errors(uri):
+        fs.put_file(local, path)
+
+
+def get_file(uri: str, local: str) -> None:
+    """Copy the object at ``uri`` to the local path (parent folders created)."""
+    os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
+    lp = local_path(uri)
+    if lp is not None:
+        import shutil
+
+        shutil.copyfile(lp, local)
+        return
+    fs, path = _fs(uri)
+    with _store_errors(uri):
+        fs.get_file(path, local)
+
+
+def list_files(uri: str) -> list[str]:
+    """Every file under ``uri``, as paths relative to it (``a/b.bin``), sorted; empty if none."""
+    lp = local_path(uri)
+    if lp is not None:
+        out = []
+        for root, _dirs, files in os.walk(lp):
+            out += [os.path.relpath(os.path.join(root, f), lp) for f in files]
+        return sorted(out)
+    fs, path = _fs(uri)
+    base = path.rstrip("/")
+    try:
+        with _store_errors(uri):
+            fs.invalidate_cache(base)
+            found = fs.find(base)
+    except FileNotFoundError:
+        return []
+    return sorted(f[len(base) + 1:] for f in found if f.startswith(base + "/"))
+
+
+def retain(uri: str, keep: int) -> list[int]:
+    """Keep the newest ``keep`` COMMITTED checkpoints: remove every older step folder (committed or
+    partial); partial folders newer than the newest committed one may still be writing and stay.
+    Returns the steps removed."""
+    steps = checkpoint_steps(uri)
+    done = [s for s in steps if committed(uri, s) is not None]
+    kept = set(done[-keep:])
+    newest = done[-1] if done else -1
+    gone = [s for s in steps if s not in kept and s <= newest]
+    for s in gone:
+        remove(checkpoint_uri(uri, s), recursive=True)
+    return gone
+
+
 def checkpoint_steps(uri: str) -> list[int]:
     """Every step folder under checkpoints/, committed or not, ascending."""
     steps = []

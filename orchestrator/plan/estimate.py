@@ -241,7 +241,7 @@ def startup(spec: JobSpec, offer: Offer) -> dict[str, Any]:
     f = startup_figures(offer.provider)
     pre = prebuilt(spec, offer.provider)
     setup = f.setup_image if pre else f.setup_install
-    comp = f.compile.minutes if spec.trainer.compile and offer.gpu != "cpu" else 0.0
+    comp = f.compile.minutes if spec.trainer is not None and spec.trainer.compile and offer.gpu != "cpu" else 0.0
     total = f.provisioning.minutes + setup.minutes + f.first_step.minutes + comp
     return {
         "provider": offer.provider, "prebuilt_image": pre, "image": node_image(spec, offer.provider),
@@ -256,6 +256,8 @@ def startup(spec: JobSpec, offer: Offer) -> dict[str, Any]:
 
 def checkpoint_bytes(spec: JobSpec) -> float:
     """Model + AdamW state as DCP writes it: fp32 params and two fp32 moments (12 B/param)."""
+    if spec.command is not None:  # the same 12 B/param from command.params (0 when not given)
+        return 12.0 * (spec.command.params or 0.0)
     return 12.0 * spec.trainer.model_spec.num_params()
 
 
@@ -293,16 +295,57 @@ def checkpoint_interval_steps(spec: JobSpec, rate_per_hour: float, step_s: float
     return max(1, min(spec.trainer.total_steps, round(interval / step_s)))
 
 
-def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = None) -> tuple[Estimate, int]:
-    t, b = spec.trainer, spec.budget
+def command_compute_hours(spec: JobSpec, gpu: str, gpus: int) -> float:
+    """A command job's uninterrupted run: ``command.hours``, else 6·N·D at ``budget.mfu``."""
+    c = spec.command
+    assert c is not None
+    if c.hours is not None:
+        return c.hours
+    assert c.params is not None and c.tokens is not None
+    return 6.0 * c.params * c.tokens / (gpus * GPUS[gpu].peak_bf16_flops * spec.budget.mfu) / 3600.0
+
+
+def _workload(spec: JobSpec, offer: Offer, rate: float) -> dict[str, Any]:
+    """What the job computes on ``offer``: step time, steps, checkpoint interval (steps and hours),
+    compute and checkpoint hours, and where the hours come from. The bundled trainer's from its
+    model and token budget; a command job's from ``command.hours`` or 6·N·D (its own saves are
+    inside those hours; its lost work per preemption is half of ``checkpoint_every_minutes``)."""
     gpus = offer.gpus_per_node * offer.nodes
+    b = spec.budget
+    c = spec.command
+    if c is not None:
+        compute_h = command_compute_hours(spec, offer.gpu, gpus)
+        steps = c.steps or 0
+        step_s = compute_h * 3600.0 / steps if steps else 0.0
+        tau_h = min(c.checkpoint_every_minutes / 60.0, compute_h)
+        every = max(1, round(tau_h * 3600.0 / step_s)) if steps else 0
+        tokens = int(c.tokens or 0)
+        return {"step_s": step_s, "steps": steps, "every": every, "compute_h": compute_h, "ckpt_h": 0.0,
+                "tau_h": tau_h, "tokens_per_step": tokens // steps if steps else 0,
+                "hours_source": ("budget.hours" if b.hours is not None else "command.hours"
+                                 if c.hours is not None else "6·N·D (command.params × command.tokens)"),
+                "params": int(c.params or 0), "active_params": int(c.params or 0), "tokens": tokens,
+                "step_floor_seconds": 0.0, "flops_step_seconds": step_s}
+    t = spec.trainer
+    assert t is not None
     step_s = step_seconds(spec, offer.gpu, gpus)
-    rate = attempt_preemption_rate(spec, offer.nodes, rate_override) if offer.spot else 0.0
     every = checkpoint_interval_steps(spec, rate, step_s)
     steps = t.total_steps
-    compute_h = steps * step_s / 3600.0
-    n_ckpt = steps // every
-    ckpt_h = n_ckpt * checkpoint_save_seconds(spec) / 3600.0
+    return {"step_s": step_s, "steps": steps, "every": every, "compute_h": steps * step_s / 3600.0,
+            "ckpt_h": (steps // every) * checkpoint_save_seconds(spec) / 3600.0,
+            "tau_h": every * step_s / 3600.0, "tokens_per_step": t.tokens_per_step,
+            "hours_source": "budget.hours" if b.hours is not None else "token budget",
+            "params": t.model_spec.num_params(), "active_params": t.model_spec.active_params(),
+            "tokens": t.total_tokens, "step_floor_seconds": step_floor_seconds(spec, gpus),
+            "flops_step_seconds": compute_step_seconds(spec, offer.gpu, gpus)}
+
+
+def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = None) -> tuple[Estimate, int]:
+    b = spec.budget
+    gpus = offer.gpus_per_node * offer.nodes
+    rate = attempt_preemption_rate(spec, offer.nodes, rate_override) if offer.spot else 0.0
+    w = _workload(spec, offer, rate)
+    step_s, every, steps, compute_h, ckpt_h = w["step_s"], w["every"], w["steps"], w["compute_h"], w["ckpt_h"]
     su = startup(spec, offer)
     startup_h = su["total_minutes"] / 60.0
     load_h = checkpoint_bytes(spec) / (CHECKPOINT_BANDWIDTH * offer.nodes) / 3600.0
@@ -315,7 +358,7 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
     # Checked against `dtrun simulate` (the real controller on the fake cloud): within a few
     # percent for 0.5–4 preemptions per hour.
     work_h = base_h - startup_h if b.hours is None else max(base_h - startup_h, 0.0)
-    tau_h = every * step_s / 3600.0
+    tau_h = w["tau_h"]
     compile_h = (su["compile_minutes"] + su["first_step_minutes"]) / 60.0  # after the node is up
     restart_h = startup_h + load_h
     # A soft preemption (the provider's notice, prices.yaml `preemption:`) whose emergency
@@ -364,7 +407,7 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
         frac = min(1.0, max(0.0, (b.max_hours - startup_h) / productive_h)) if productive_h > 0 else 0.0
         done = int(steps * frac)
         deadline = {"max_hours": b.max_hours, "estimate_hours": hours, "fraction_trained": frac,
-                    "steps_by_deadline": done, "tokens_by_deadline": done * t.tokens_per_step,
+                    "steps_by_deadline": done, "tokens_by_deadline": done * w["tokens_per_step"],
                     "cut": b.cut_at_deadline}
         if b.cut_at_deadline:
             hours = b.max_hours
@@ -375,10 +418,10 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
         "gpus": gpus,
         "price_per_gpu_hour": offer.price_per_gpu_hour,
         "price_per_hour": round(price_h, 4),
-        "hours_source": "budget.hours" if b.hours is not None else "token budget",
-        "params": t.model_spec.num_params(),
-        "active_params": t.model_spec.active_params(),
-        "tokens": t.total_tokens,
+        "hours_source": w["hours_source"],
+        "params": w["params"],
+        "active_params": w["active_params"],
+        "tokens": w["tokens"],
         "steps": steps,
         "peak_flops_per_gpu": GPUS[offer.gpu].peak_bf16_flops,
         "mfu": b.mfu,
@@ -397,8 +440,8 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
         "preemption_notice_seconds": pn.notice_seconds,
         "preemption_work_saved_fraction": saved,
         "buffer_basis": buffer_basis,
-        "step_floor_seconds": step_floor_seconds(spec, gpus),
-        "flops_step_seconds": compute_step_seconds(spec, offer.gpu, gpus),
+        "step_floor_seconds": w["step_floor_seconds"],
+        "flops_step_seconds": w["flops_step_seconds"],
         "deadline": deadline,
     }
     return Estimate(hours=hours, expected_usd=expected, cost_usd=cost, buffer=b.buffer,
@@ -478,7 +521,7 @@ def make_plan(spec: JobSpec, preemptions_per_hour: float | None = None,
     est = ests[0] if ests else None
     first = scored[0] if scored else scored_locked[0] if scored_locked else None
     every = first[5] if first else (spec.checkpoint.every_steps if spec.checkpoint.every_steps != "auto" else 0)
-    step_s = first[4].breakdown["step_seconds"] if first else step_seconds(spec)
+    step_s = first[4].breakdown["step_seconds"] if first else (0.0 if spec.is_command else step_seconds(spec))
     choice = None
     if spec.resources.spot == "prefer":
         pool = [(s[3], s[4]) for s in scored] or [(s[3], s[4]) for s in scored_locked]

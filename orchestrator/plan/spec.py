@@ -208,6 +208,77 @@ class Trainer(_Model):
         return self.total_steps * self.tokens_per_step
 
 
+CHECKPOINT_FORMATS = ("hf", "lightning", "dcp", "marker")
+DEFAULT_STEP_PATTERN = r"(?i)\b(?:global_step|step|iter(?:ation)?)\b['\"]?\s*[=:]?\s*(\d+)(?:\s*/\s*(\d+))?"
+"""The default progress pattern: ``step 120``, ``step=120``, ``step: 120/1000``, ``iter 120``,
+``'global_step': 120`` (group 1 the step, optional group 2 the total)."""
+DEFAULT_LOSS_PATTERN = r"(?i)['\"]?\bloss\b['\"]?\s*[=:]?\s*([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"
+
+
+class Command(_Model):
+    """Your own training code instead of the bundled trainer (``command:`` replaces ``trainer:``).
+    The node contract (README "Your own training code"): ``DTRUN_CHECKPOINT_DIR`` holds the newest
+    COMMITTED checkpoint before the command starts; what the script saves there is uploaded and
+    committed; SIGTERM means "checkpoint now"; exit 75 means "checkpointed, resume me"."""
+
+    run: str = Field(min_length=1)
+    """The command. With ``torchrun: true`` the script and its arguments as torchrun takes them
+    (``train.py --lr 3e-4`` or ``-m pkg.train``), run on every node; else a shell command run once
+    per node as given. ``$DTRUN_CHECKPOINT_DIR`` and the other DTRUN_ variables are expanded."""
+    torchrun: bool = True
+    """Run under torchrun (one process per GPU, rendezvous across nodes) or as given."""
+    code: str = "."
+    """The code folder shipped to every node (relative to the job file): its files minus
+    ``.gitignore``d ones and files over ``max_file_mb`` (both left out with a warning naming them)."""
+    max_file_mb: float = Field(20.0, gt=0)
+    """Files larger than this (MiB) are not shipped (data and weights belong in object storage)."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell commands run in the code folder on each node before the command (each must exit 0)."""
+    requirements: str | None = None
+    """A requirements file in the code folder, installed with pip before the setup commands."""
+    checkpoint_format: Literal["hf", "lightning", "dcp", "marker"] = "marker"
+    """How the node recognises a finished checkpoint in DTRUN_CHECKPOINT_DIR: hf (``checkpoint-N/``
+    with trainer_state.json, once the next save began or the command exited), lightning (a
+    ``*.ckpt`` file, written atomically), dcp (a folder with ``.metadata``), marker (a folder
+    holding a ``DONE_WRITING`` file)."""
+    hours: float | None = Field(None, gt=0)
+    """How long one uninterrupted run takes (wall hours on the chosen GPUs). Give hours, or
+    params + tokens."""
+    params: float | None = Field(None, gt=0)
+    """Model parameters (for the 6·N·D estimate at ``budget.mfu``, and the checkpoint size)."""
+    tokens: float | None = Field(None, gt=0)
+    """Training tokens (for the 6·N·D estimate)."""
+    steps: int | None = Field(None, gt=0)
+    """Total optimizer steps, if known (shown beside the progress; optional)."""
+    checkpoint_every_minutes: float = Field(30.0, gt=0)
+    """How often the script checkpoints: the work a hard preemption loses (half of it on average)."""
+    step_pattern: str = DEFAULT_STEP_PATTERN
+    """Regex over the command's output lines: group 1 is the step (optional group 2 the total). The
+    node's heartbeat and the controller's idle detection follow it."""
+    loss_pattern: str | None = DEFAULT_LOSS_PATTERN
+    """Regex for the loss on a line the step pattern matched (group 1); null: no loss."""
+
+    @field_validator("step_pattern", "loss_pattern")
+    @classmethod
+    def _regex(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                rx = re.compile(v)
+            except re.error as e:
+                raise ValueError(f"not a regular expression: {e}") from None
+            if rx.groups < 1:
+                raise ValueError("needs a capturing group (the number)")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "Command":
+        if self.hours is None and (self.params is None or self.tokens is None):
+            raise ValueError("give command.hours, or command.params and command.tokens (the 6·N·D estimate)")
+        if self.hours is not None and (self.params is not None and self.tokens is not None):
+            raise ValueError("give command.hours or command.params + command.tokens, not both")
+        return self
+
+
 class Checkpoint(_Model):
     """Where the run's state lives: the run URI (the contract between controller and trainer)."""
 
@@ -288,7 +359,10 @@ class JobSpec(_Model):
     name: str
     """Job name: lowercase letters, digits and dashes (2–40 chars). Provider instances carry it."""
     resources: Resources = Field(default_factory=Resources)
-    trainer: Trainer
+    trainer: Trainer | None = None
+    """The bundled trainer. Give ``trainer`` or ``command``, not both."""
+    command: Command | None = None
+    """Your own training code (a script under torchrun, or any command) instead of the bundled trainer."""
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     budget: Budget = Field(default_factory=Budget)
     teardown: Teardown = Field(default_factory=Teardown)
@@ -308,6 +382,12 @@ class JobSpec(_Model):
             raise ValueError("resources.gpu: cpu runs only on the local or fake provider")
         if r.gpu != "cpu" and r.providers == ["local"]:
             raise ValueError(f"resources.gpu: the local provider runs CPU ranks only; use gpu: cpu")
+        if (t is None) == (self.command is None):
+            raise ValueError("give trainer (the bundled trainer) or command (your own code), not both"
+                             if t is not None else "give a trainer section (the bundled trainer) or a "
+                             "command section (your own code)")
+        if t is None:
+            return self
         n = r.total_gpus
         if isinstance(t.parallel, Parallel):
             p = t.parallel
@@ -360,12 +440,19 @@ class JobSpec(_Model):
     def parallel_degrees(self) -> Parallel:
         """The explicit parallel degrees (``auto`` resolves to plain FSDP over every GPU here;
         the orchestrator's planner replaces it with its pick before launch)."""
-        p = self.trainer.parallel
         n = self.resources.total_gpus
+        if self.trainer is None:
+            return Parallel(dp_shard=n, tp=1, ep=1)
+        p = self.trainer.parallel
         if p == "auto":
             return Parallel(dp_shard=n, tp=1, ep=1)
         dp = p.dp_shard if p.dp_shard != -1 else n // (p.tp * p.dp_replicate)
         return p.model_copy(update={"dp_shard": dp})
+
+    @property
+    def is_command(self) -> bool:
+        """Does the job run the user's own command (not the bundled trainer)?"""
+        return self.command is not None
 
     @property
     def uses_spot(self) -> bool:
@@ -469,22 +556,30 @@ def load_spec(path: str | Path) -> JobSpec:
         where = f"{p}:{mark.line + 1}" if mark else str(p)
         problem = getattr(e, "problem", None) or str(e)
         raise SpecError(f"{where}: invalid YAML: {problem}") from None
-    return anchor_paths(parse_spec(data, str(p), root), p.resolve().parent)
+    spec = anchor_paths(parse_spec(data, str(p), root), p.resolve().parent)
+    if spec.command is not None and not Path(spec.command.code).is_dir():
+        line = _yaml_line(root, ("command", "code"))
+        raise SpecError(f"{p}{':' + str(line) if line else ''}: command.code: {spec.command.code} is not a folder")
+    return spec
 
 
 def anchor_paths(spec: JobSpec, base: str | Path) -> JobSpec:
-    """Relative local paths in the spec (``checkpoint.uri``, ``trainer.data``, ``trainer.val_data``)
-    resolved against ``base``, the job file's folder — not the working directory, so one job file
-    trains into one place whichever folder ``dtrun up`` runs in."""
+    """Relative local paths in the spec (``checkpoint.uri``, ``trainer.data``, ``trainer.val_data``,
+    ``command.code``) resolved against ``base``, the job file's folder — not the working directory,
+    so one job file trains into one place whichever folder ``dtrun up`` runs in."""
     from orchestrator.contract.runuri import anchored
 
     base = str(base)
+    upd: dict[str, Any] = {"checkpoint": spec.checkpoint.model_copy(update={"uri": anchored(spec.checkpoint.uri, base)})}
     t = spec.trainer
-    ck = spec.checkpoint.model_copy(update={"uri": anchored(spec.checkpoint.uri, base)})
-    tr = t.model_copy(update={
-        "data": t.data if t.data == "synthetic" else anchored(t.data, base),
-        "val_data": anchored(t.val_data, base) if t.val_data else t.val_data})
-    return spec.model_copy(update={"checkpoint": ck, "trainer": tr})
+    if t is not None:
+        upd["trainer"] = t.model_copy(update={
+            "data": t.data if t.data == "synthetic" else anchored(t.data, base),
+            "val_data": anchored(t.val_data, base) if t.val_data else t.val_data})
+    if spec.command is not None:
+        code = (Path(base) / Path(spec.command.code).expanduser()).resolve()
+        upd["command"] = spec.command.model_copy(update={"code": str(code)})
+    return spec.model_copy(update=upd)
 
 
 def spec_to_yaml(spec: JobSpec) -> str:

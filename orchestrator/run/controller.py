@@ -92,6 +92,10 @@ def describe_error(e: BaseException, limit: int = 300) -> str:
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
+def _total_steps(spec: JobSpec) -> int | None:
+    return spec.command.steps if spec.command is not None else spec.trainer.total_steps
+
+
 def resolved_spec(spec: JobSpec) -> JobSpec:
     """The spec with its run URI made absolute (a detached controller or a node may run
     elsewhere than the directory the user typed ``dtrun up`` in)."""
@@ -339,7 +343,7 @@ class Controller:
             est = self.plan.estimate.to_dict() if getattr(self.plan, "estimate", None) is not None else None
             self.store.create_job(self.name, spec_to_yaml(self.spec), self.run_uri, spec_path=self.spec_path,
                                   providers=list(self.spec.resources.providers), budget_usd=self.spec.budget.max_usd,
-                                  steps=self.spec.trainer.total_steps, estimate=est, t=self.now())
+                                  steps=_total_steps(self.spec), estimate=est, t=self.now())
         else:
             self.store.update_job(self.name, spec_yaml=spec_to_yaml(self.spec), updated=self.now())
         log = os.environ.get("DTRUN_CONTROLLER_LOG")
@@ -357,6 +361,10 @@ class Controller:
                 return "SUCCEEDED"
             runuri.write_text(runuri.join(self.run_uri, JOB_YAML), spec_to_yaml(self.spec))
             self.event("start", f"controller pid {self.pid} on {HOST}; run URI {self.run_uri}")
+            if self.spec.command is not None:
+                from orchestrator.run.codeship import ship_event
+
+                self.event("code", ship_event(self.spec))
         if self.plan.chosen is None and self.state in ("PENDING",):
             why = "; ".join(self.plan.refusals) or "no provider offers this GPU"
             self.transition("FAILED", f"no offer fits: {why}")
@@ -365,7 +373,7 @@ class Controller:
     def _resolve_auto(self, spec: JobSpec) -> JobSpec:
         """What the nodes get: ``trainer.parallel: auto`` → the memory planner's degrees;
         ``checkpoint.every_steps: auto`` → the plan's interval (Young/Daly)."""
-        if spec.trainer.parallel == "auto":
+        if spec.trainer is not None and spec.trainer.parallel == "auto":
             from orchestrator.plan.planner import resolve_parallel
 
             spec = resolve_parallel(spec)

@@ -18,6 +18,8 @@ def check_data_vocab(spec, source: str = "job", remote: bool = True) -> None:
     from trainer.prepare import read_manifest
 
     t = spec.trainer
+    if t is None:  # a command job: its data is its own business
+        return
     for data in (t.data, t.val_data):  # the validation shards are indexed into the same embedding
         if data is None or (not remote and "://" in data and not data.startswith("file://")):
             continue

@@ -44,6 +44,8 @@ def s3_uses(spec: Any) -> list[str]:
     out = []
     if str(spec.run_uri).startswith("s3://"):
         out.append("checkpoint.uri")
+    if spec.trainer is None:
+        return out
     if str(spec.trainer.data).startswith("s3://"):
         out.append("trainer.data")
     if str(getattr(spec.trainer, "val_data", None) or "").startswith("s3://"):
@@ -92,7 +94,7 @@ def node_storage(spec: Any, provider: str, environ: Mapping[str, str] | None = N
         if region and not (env.get("AWS_DEFAULT_REGION") or env.get("AWS_REGION")):
             env["AWS_DEFAULT_REGION"] = region
     if not secrets:
-        val = {"checkpoint.uri": spec.run_uri, "trainer.data": spec.trainer.data,
+        val = {"checkpoint.uri": spec.run_uri, "trainer.data": getattr(spec.trainer, "data", None),
                "trainer.val_data": getattr(spec.trainer, "val_data", None)}
         where = " and ".join(f"{u} ({val[u]})" for u in uses)
         raise ProviderRefused(f"no AWS credentials for the {provider} nodes: {where} is on S3 and a rented "

@@ -300,13 +300,24 @@ def prepare(spec: JobSpec, preemptions_per_hour: float | None = None, every_over
     # for the whole cluster, so it is preempted at N × the per-node rate).
     rate = est_mod.attempt_preemption_rate(spec, offer.nodes, preemptions_per_hour) if offer.spot else 0.0
     gpus = offer.gpus_per_node * offer.nodes
-    step_s = est_mod.step_seconds(spec, offer.gpu, gpus)
-    every = every_override or plan.checkpoint_every_steps or est_mod.checkpoint_interval_steps(spec, rate, step_s)
+    if spec.command is not None:
+        # A command job: the given hours (or 6·N·D) in steps of command.steps, else of a minute;
+        # its own saves are inside those hours.
+        compute_s = est_mod.command_compute_hours(spec, offer.gpu, gpus) * 3600.0
+        total_steps = spec.command.steps or max(1, math.ceil(compute_s / 60.0))
+        step_s = compute_s / total_steps
+        every = every_override or max(1, round(spec.command.checkpoint_every_minutes * 60.0 / step_s))
+        save_s = 0.0
+    else:
+        total_steps = spec.trainer.total_steps
+        step_s = est_mod.step_seconds(spec, offer.gpu, gpus)
+        every = every_override or plan.checkpoint_every_steps or est_mod.checkpoint_interval_steps(spec, rate, step_s)
+        save_s = est_mod.checkpoint_save_seconds(spec)
     su = est_mod.startup(spec, offer)  # the snapshot's figures for the chosen provider
     compile_s = (su["compile_minutes"] + su["first_step_minutes"]) * 60.0
     model = Model(
-        total_steps=spec.trainer.total_steps, step_s=step_s, every=max(1, int(every)),
-        save_s=est_mod.checkpoint_save_seconds(spec),
+        total_steps=total_steps, step_s=step_s, every=max(1, int(every)),
+        save_s=save_s,
         load_s=est_mod.checkpoint_bytes(spec) / (est_mod.CHECKPOINT_BANDWIDTH * offer.nodes),
         compile_s=compile_s, provision_s=(su["provisioning_minutes"] + su["setup_minutes"]) * 60.0,
     )
@@ -549,7 +560,7 @@ def simulate_job(spec: JobSpec, preemptions_per_hour: float | None, runs: int, s
     """``dtrun simulate``'s question for a spec: the runs, the Young/Daly comparison, and a note when
     the question changed the spec (``spot: prefer`` with a preemption rate simulates spot)."""
     note = None
-    if spec.trainer.parallel == "auto":
+    if spec.trainer is not None and spec.trainer.parallel == "auto":
         # What the nodes would run (auto's layout, micro-batch and checkpointing: recompute is
         # priced), as `dtrun up` does; the smallest plan even when none fits (the dry run refuses that).
         from orchestrator.contract.errors import SpecError
