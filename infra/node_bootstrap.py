@@ -550,8 +550,13 @@ def main() -> int:
         return EXIT_BAD_CONFIG
 
     become_subreaper()
-    argv = trainer_argv(cfg, job_file)
-    env = dict(os.environ)
+    user = _user_command(cfg, job_file)
+    if isinstance(user, int):
+        report.close(user)
+        _finish(cfg)
+        return user
+    argv = user.argv() if user else trainer_argv(cfg, job_file)
+    env = user.env() if user else dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
     env.setdefault("DTRUN_ATTEMPT", str(cfg.attempt))
     env["PYTHONUNBUFFERED"] = "1"
@@ -574,12 +579,19 @@ def main() -> int:
     signal.signal(signal.SIGINT, forward)
     if forwarded:
         log("signalled before the trainer started; exiting")
+        if user:
+            user.finish(EXIT_PREEMPTED, stopped=True)
         report.close(EXIT_PREEMPTED)
         return EXIT_PREEMPTED
     child = subprocess.Popen(argv, env=env, preexec_fn=_child_preexec(os.getpid()),
+                             cwd=user.code_dir if user else None,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     holder.append(child)
-    pumps = [report.pump(child.stdout, _binary(sys.stdout)), report.pump(child.stderr, _binary(sys.stderr))]
+    out, err = _binary(sys.stdout), _binary(sys.stderr)
+    if user:  # a command job's progress comes from its output lines
+        out, err = user.tee(out), user.tee(err)
+        user.start()
+    pumps = [report.pump(child.stdout, out), report.pump(child.stderr, err)]
     report.set("RUNNING")
     if forwarded:  # a signal landed between Popen and here
         os.killpg(child.pid, forwarded[-1])
@@ -601,6 +613,8 @@ def main() -> int:
 
     if rc < 0:
         rc = 128 + (-rc)
+    if user:
+        rc = user.finish(rc, stopped=bool(forwarded) or wd.reason is not None)
     done_written = _safe_exists(runuri.join(cfg.run_uri, runuri.DONE))
     if wd.reason is not None and not (rc == 0 and done_written):
         log(f"trainer exited {rc} after the watchdog stopped it ({wd.reason}); exit {EXIT_WATCHDOG}")
@@ -630,6 +644,33 @@ class _TextSink:
 
 def _binary(stream):
     return getattr(stream, "buffer", None) or _TextSink(stream)
+
+
+def _user_command(cfg: NodeConfig, job_file: str):
+    """For a ``command:`` job: the prepared :class:`infra.usercode.UserCommand` (code unpacked,
+    setup run, newest COMMITTED checkpoint restored), or the node's exit code when that failed.
+    None for the bundled trainer. The watchdog skips the STOP grace for it (a user's script does
+    not read STOP): its stop is SIGTERM at once, the contract's "checkpoint now"."""
+    from infra import usercode
+
+    try:
+        command = usercode.load_command(job_file)
+    except (OSError, ValueError) as e:
+        log(f"cannot read the job file: {e}")
+        return EXIT_BAD_CONFIG
+    if command is None:
+        return None
+    cfg.stop_grace_seconds = 0.0
+    user = usercode.UserCommand(cfg, command, torchrun_flags(cfg), os.path.join(_HERE, "torchrun_launch.py"))
+    try:
+        user.prepare()
+    except usercode.SetupFailed as e:
+        log(f"setup failed: {e}")
+        return user.finish(1, stopped=True)
+    except Exception as e:  # the store or the archive: a failure, retried by the controller
+        log(f"preparing the command failed: {type(e).__name__}: {e}")
+        return user.finish(1, stopped=True)
+    return user
 
 
 def _safe_exists(uri: str) -> bool:
