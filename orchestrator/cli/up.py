@@ -606,8 +606,8 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
             _err(f"--strict: {len(report.get('traps', []))} known trap(s); nothing rented")
         elif (plan.estimate and (dl := plan.estimate.breakdown.get("deadline")) and not dl["cut"]):
             _err(f"the estimate ({_hours(dl['estimate_hours'])}) is longer than budget.max_hours "
-                 f"({dl['max_hours']:g} h): about {dl['steps_by_deadline']:,} of {spec.trainer.total_steps:,} steps "
-                 "would be trained by then; nothing rented (budget.cut_at_deadline: true if it is meant to cut)")
+                 f"({dl['max_hours']:g} h): about {dl['fraction_trained']:.0%} of the run would be done by then; "
+                 "nothing rented (budget.cut_at_deadline: true if it is meant to cut)")
         else:
             _err("the estimate is over budget.max_usd; nothing rented")
         return code

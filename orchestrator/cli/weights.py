@@ -24,16 +24,21 @@ def resolve_job(job: str) -> tuple[Any, str]:
     if job.endswith((".yaml", ".yml")) or os.path.sep in job:
         if not Path(job).exists():
             raise NotFoundError(f"{job}: no such job file")
-        spec = load_spec(job)
-        return spec, spec.run_uri
-    from orchestrator.cli.detached import load_stored_spec
-    from orchestrator.run.state import StateStore
+        spec, uri = load_spec(job), None
+    else:
+        from orchestrator.cli.detached import load_stored_spec
+        from orchestrator.run.state import StateStore
 
-    store = StateStore()
-    if store.get_job(job) is None:
-        raise NotFoundError(f"no job named {job!r} (see `dtrun ls`; or give its job.yaml)")
-    spec, row = load_stored_spec(store, job)
-    return spec, row["run_uri"]
+        store = StateStore()
+        if store.get_job(job) is None:
+            raise NotFoundError(f"no job named {job!r} (see `dtrun ls`; or give its job.yaml)")
+        spec, row = load_stored_spec(store, job)
+        uri = row["run_uri"]
+    if spec.trainer is None:
+        raise UsageError(f"{job}: runs your own command, whose checkpoints are its own format: `dtrun weights` "
+                         f"and `dtrun sample` read the bundled trainer's (your files are under "
+                         f"{uri or spec.run_uri}/checkpoints/step-N/)")
+    return spec, uri or spec.run_uri
 
 
 def data_manifest(spec) -> tuple[dict | None, str | None]:

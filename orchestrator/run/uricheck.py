@@ -46,6 +46,8 @@ def _uris(spec: Any) -> list[tuple[str, str, bool]]:
     """(field, URI as written, is the run URI) for every URI the job points at."""
     t = spec.trainer
     out = [("checkpoint.uri", spec.checkpoint.uri.replace("{name}", spec.name), True)]
+    if t is None:  # a command job reads its own data
+        return out
     if t.data != "synthetic":
         out.append(("trainer.data", t.data, False))
     if t.val_data:

@@ -166,3 +166,9 @@ def test_pack_ships_the_files_and_not_the_run_folder(tmp_path):
     with tarfile.open(uri[len("file://"):]) as tar:
         assert sorted(tar.getnames()) == ["job.yaml", "train.py"]
     assert "runs/mine (the run URI)" in cf.left_out
+
+
+def test_weights_and_sample_refuse_a_command_job_exit_2(capsys, tmp_path):
+    job = write_job(tmp_path / "j", hours=1)
+    assert main(["weights", str(job), "--out", str(tmp_path / "w")]) == 2
+    assert "runs your own command" in capsys.readouterr().err
