@@ -27,6 +27,7 @@ app = typer.Typer(
 # One module per command noun, each with its own typer app, joined here without a group name so
 # `dtrun up`, `dtrun gc`, … stay top-level (`dtrun data …` is the one group). The order is --help's.
 from orchestrator.cli import (  # noqa: E402
+    check,
     data,
     export,
     init,
@@ -40,7 +41,7 @@ from orchestrator.cli import (  # noqa: E402
     weights,
 )
 
-for _noun in (init, up, jobs, export, money, simulate, profile, data, weights, sample, report):
+for _noun in (init, check, up, jobs, export, money, simulate, profile, data, weights, sample, report):
     app.add_typer(_noun.app)
 
 

@@ -55,7 +55,7 @@ def _uris(spec: Any) -> list[tuple[str, str, bool]]:
     return out
 
 
-def _has(module: str) -> bool:
+def has_module(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -133,7 +133,7 @@ def offline_problems(spec: Any) -> list[Problem]:
                                                "(use an s3:// URI or a local path)"))
                 continue
             pkg = BACKENDS[sch]
-            if not _has(pkg):
+            if not has_module(pkg):
                 out.append(Problem(field, uri, f"{field}: {sch}:// needs the {pkg} package, which is not "
                                                f"installed (pip install {pkg}), or use an s3:// URI"))
             continue
@@ -173,7 +173,7 @@ def s3_credentials_problem(spec: Any) -> Problem | None:
     return Problem(field, uri, f"{field}: {uri} is on S3 and no AWS credentials were found; {nodecreds.HOW}")
 
 
-def _remote_data_problem(field: str, uri: str) -> str | None:
+def remote_data_problem(field: str, uri: str) -> str | None:
     from orchestrator.contract import runuri
     from trainer.errors import ConfigError
     from trainer.prepare import read_manifest
@@ -229,7 +229,7 @@ def online_problems(spec: Any) -> list[Problem]:
         out.append(Problem("checkpoint.uri", spec.run_uri, f"checkpoint.uri: {why}"))
     for field, uri, is_run in _uris(spec):
         if not is_run and scheme(uri) != "file":
-            why = _remote_data_problem(field, uri)
+            why = remote_data_problem(field, uri)
             if why:
                 out.append(Problem(field, uri, why))
     return out

@@ -151,6 +151,29 @@ class ImageBuildFailed(perr.NotSupported):
         self.image_id = e.image_id
 
 
+def modal_config_problem(path: Path) -> str | None:
+    """Why the Modal client could not take a token from ``path`` (``~/.modal.toml``), or None:
+    it must be TOML with a profile holding ``token_id`` and ``token_secret`` — the active one
+    (``active = true``, or ``MODAL_PROFILE``), or the only one."""
+    import tomllib
+
+    try:
+        with path.open("rb") as f:
+            cfg = tomllib.load(f)
+    except (OSError, ValueError) as e:
+        return f"{path} is not a valid TOML file ({str(e).splitlines()[0][:80] if str(e) else type(e).__name__})"
+    profiles = {k: v for k, v in cfg.items() if isinstance(v, dict)}
+    want = os.environ.get("MODAL_PROFILE") or next((k for k, v in profiles.items() if v.get("active") is True), None)
+    if want is None and len(profiles) == 1:
+        want = next(iter(profiles))
+    prof = profiles.get(want or "default")
+    if prof is None:
+        return f"{path} has no active profile with a token (run `modal token set`)"
+    if not str(prof.get("token_id") or "").strip() or not str(prof.get("token_secret") or "").strip():
+        return f"{path}: profile [{want or 'default'}] has no token_id/token_secret"
+    return None
+
+
 class ModalProvider(Provider):
     name = "modal"
 
@@ -190,9 +213,10 @@ class ModalProvider(Provider):
         if os.environ.get("MODAL_TOKEN_ID") and os.environ.get("MODAL_TOKEN_SECRET"):
             return
         cfg = Path(os.environ.get("MODAL_CONFIG_PATH") or "~/.modal.toml").expanduser()
-        if cfg.is_file():
+        why = modal_config_problem(cfg) if cfg.is_file() else f"{cfg} does not exist"
+        if why is None:
             return
-        raise perr.AuthError("no Modal credentials: set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET, or run "
+        raise perr.AuthError(f"no Modal credentials: {why}; set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET, or run "
                              "`modal token set` (writes ~/.modal.toml)", provider="modal")
 
     def refuse(self, req: Requirements) -> str | None:
