@@ -42,7 +42,8 @@ def test_dry_run_without_any_account_prices_every_offer_and_exits_5(no_credentia
     offers = out["offers"]
     assert {o["provider"] for o in offers} == {"runpod", "lambda", "vast", "modal"}
     assert all(o["usable"] is False and o["fix"] for o in offers)
-    costs = [o["expected_usd"] for o in offers]
+    # ranked as the rentable ones would be (known prices first, then by expected cost)
+    costs = [(not o.get("price_known", True), o["expected_usd"]) for o in offers]
     assert costs == sorted(costs)
     # the estimate and the budget verdict are there, for the offer it would choose
     assert out["would_choose"]["provider"] == offers[0]["provider"]
