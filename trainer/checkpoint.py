@@ -43,12 +43,14 @@ emergency/STOP/final save every rank adopts rank 0's last COMMITTED step (``sett
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -128,7 +130,12 @@ UPLOAD_THREADS = int(os.environ.get("DTRUN_CKPT_UPLOAD_THREADS", "8"))
 multipart upload, so a rank's state goes up as this many concurrent streams, not one."""
 
 NOTICE_S = float(os.environ.get("DTRUN_PREEMPTION_NOTICE_S", "30"))
-"""The preemption notice the emergency save must fit (GCP and Azure give 30 s, AWS 120 s)."""
+"""The preemption notice the emergency save must fit (GCP and Azure give 30 s, AWS 120 s). Also
+the collective timeout of the emergency group: a peer that vanishes mid-save ends it then."""
+
+HARD_EXIT_MARGIN_S = 5.0
+"""At a notice the trainer exits 75 at the latest ``NOTICE_S`` + this after the SIGTERM, whatever
+its collectives do (below torchrun's ``--shutdown-timeout``, the bootstrap's kill grace, 40 s)."""
 
 
 def _writer(uri: str, threads: int | None = None):
@@ -181,14 +188,18 @@ def _reader(uri: str):
 
 class CheckpointManager:
     def __init__(self, run_uri: str, *, keep: int, async_mode: str, rank: int, world_size: int,
-                 dp_rank: int, describe: dict[str, Any], pinned: bool = False):
+                 dp_rank: int, describe: dict[str, Any], pinned: bool = False,
+                 timeout: timedelta | None = None):
         self.run_uri, self.keep, self.async_mode = run_uri, keep, async_mode
         self.rank, self.world_size, self.dp_rank = rank, world_size, dp_rank
         self.describe = describe  # parallel degrees etc., recorded in COMMITTED
-        self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # Bounded waits for a peer (``timeout``: trainer.collective_timeout_seconds; torch's gloo
+        # default is 30 minutes).
+        self.pg = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         # The emergency save's own group: an in-flight async upload abandoned at a notice may still
-        # run collectives on self.pg in its thread.
-        self.pg_emergency = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # run collectives on self.pg in its thread. Bounded by the notice.
+        self.pg_emergency = (dist.new_group(backend="gloo", timeout=timedelta(seconds=NOTICE_S))
+                             if dist.is_initialized() else None)
         self._pending: tuple[int, Future, dict[str, Any], float] | None = None
         self.last_committed: int | None = None
         self.last_saved_step: int | None = None
@@ -275,7 +286,7 @@ class CheckpointManager:
         step, fut, meta, t0 = self._pending
         try:
             fut.result(timeout=timeout)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             if not fut.done():
                 return False
             self._pending = None
@@ -317,8 +328,11 @@ class CheckpointManager:
             self.abandon()
             self._drain_commits()
         if dist.is_initialized():
+            # At a notice (``timeout`` given) on the emergency group, bounded by the notice (an
+            # abandoned upload may still use self.pg); otherwise rank 0's COMMITTED write may take
+            # longer than a notice, so the others wait on self.pg's collective timeout.
             box = [self.last_committed]
-            dist.broadcast_object_list(box, src=0, group=self.pg_emergency)
+            dist.broadcast_object_list(box, src=0, group=self.pg_emergency if timeout is not None else self.pg)
             self.last_committed = box[0]
         return self.last_committed
 

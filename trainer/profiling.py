@@ -129,6 +129,7 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
     from orchestrator.plan.spec import load_spec
     from trainer.checkpoint import CheckpointManager
     from trainer.data import DataLoader, build_source
+    from trainer.distenv import collective_timeout, init_distributed, select_device
     from trainer.metrics import peak_flops
     from trainer.model import add_aux, build_model, local_value, loss_context, loss_fn
     from trainer.optim import build_optimizer, lr_at
@@ -145,13 +146,10 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
     dims = ParallelDims.from_spec(spec, world)
     dims.validate(ms)
     mb = t.micro_batch_size or t.batch_size // dims.dp
-    use_cuda = torch.cuda.is_available() and spec.resources.gpu != "cpu"
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    device = select_device(spec, local_rank)  # GPU asked, CUDA unusable: ConfigError, never CPU
+    use_cuda = device.type == "cuda"
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo",
-                                device_id=device if use_cuda else None)
+        init_distributed(spec, device)
     try:
         torch.manual_seed(t.seed + rank)
         param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision) if use_cuda else None
@@ -172,7 +170,8 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
                             micro_batch=mb, dp_rank=dp_rank, dp=dims.dp, device=device)
         scratch = runuri.join(uri, PROFILE_DIR, "scratch-checkpoint")
         ckpt = CheckpointManager(scratch, keep=2, async_mode=spec.checkpoint.async_mode, rank=rank,
-                                 world_size=world, dp_rank=dp_rank, describe={})
+                                 world_size=world, dp_rank=dp_rank, describe={}, pinned=use_cuda,
+                                 timeout=collective_timeout(spec))
 
         def sync() -> None:
             if use_cuda:

@@ -116,6 +116,23 @@ def check_data_vocab(data: str, vocab_size: int) -> None:
                           f"{data}); use a model with vocab_size ≥ {m['vocab_size']}")
 
 
+def _peer_lost_line(e: BaseException, committed: int | None = None) -> str:
+    first = (str(e).splitlines() or [""])[0][:300]
+    return (f"a collective failed: a peer rank is gone, or hung past trainer.collective_timeout_seconds "
+            f"({type(e).__name__}: {first}); the attempt resumes from the last COMMITTED checkpoint"
+            + (f" (step {committed})" if committed is not None else ""))
+
+
+def _hard_exit(why: str) -> None:
+    """Exit 75 ("resume me") now: no interpreter shutdown, no process-group teardown (either can
+    block on a peer that is gone)."""
+    print(f"dtrun trainer: rank {os.environ.get('RANK', '0')}: {why}; exit {EXIT_PREEMPTED}",
+          file=sys.stderr, flush=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(EXIT_PREEMPTED)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [rank{}] %(levelname)s %(message)s".format(
         os.environ.get("RANK", "0")), stream=sys.stdout)
@@ -142,6 +159,13 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"dtrun trainer: error: {e}", file=sys.stderr, flush=True)
         return 1
+    except Exception as e:  # before the loop (building, resuming): a peer gone → resume, not fail
+        from trainer.distenv import peer_lost
+
+        if not peer_lost(e):
+            raise
+        _hard_exit(_peer_lost_line(e))
+        raise  # not reached: _hard_exit does not return
 
 
 class Run:
@@ -198,17 +222,13 @@ class Run:
         return self._run_distributed()
 
     def _run_distributed(self) -> int:
-        import torch
         import torch.distributed as dist
 
-        t = self.spec.trainer
-        use_cuda = torch.cuda.is_available() and self.spec.resources.gpu != "cpu"
-        self.device = torch.device("cuda", self.local_rank) if use_cuda else torch.device("cpu")
-        if use_cuda:
-            torch.cuda.set_device(self.device)
+        from trainer.distenv import init_distributed, select_device
+
+        self.device = select_device(self.spec, self.local_rank)  # GPU asked, CUDA unusable: exit 2
         if self.world > 1 or ("MASTER_ADDR" in os.environ and "RANK" in os.environ):
-            dist.init_process_group(backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo",
-                                    device_id=self.device if use_cuda else None)
+            init_distributed(self.spec, self.device)  # trainer.collective_timeout_seconds
         try:
             # The run URI must be usable before step 1 (rank 0 probes, everyone learns the verdict).
             err = None
@@ -270,7 +290,8 @@ class Run:
         import torch
         import torch.distributed as dist
 
-        from trainer.checkpoint import CheckpointManager, emergency_plan, param_digest
+        from trainer.checkpoint import HARD_EXIT_MARGIN_S, NOTICE_S, CheckpointManager, emergency_plan, param_digest
+        from trainer.distenv import collective_timeout, peer_lost
         from trainer.data import DataLoader, build_source, build_val_source
         from trainer.model import add_aux, build_model, local_value, loss_context, loss_fn
         from trainer.optim import build_optimizer, lr_at
@@ -320,7 +341,7 @@ class Run:
                     "dp_replicate": dims.dp_replicate}
         ckpt = CheckpointManager(self.run_uri, keep=spec.checkpoint.keep, async_mode=spec.checkpoint.async_mode,
                                  rank=self.rank, world_size=self.world, dp_rank=dp_rank, describe=describe,
-                                 pinned=on_gpu)
+                                 pinned=on_gpu, timeout=collective_timeout(spec))
         if scaler.enabled:
             ckpt.register("loss_scaler", scaler)
         # Fresh start: each rank draws only its own shard of the initial weights (model.py). Resuming:
@@ -435,6 +456,15 @@ class Run:
                 metrics.step(step, last_loss, gnorm_v, lr, ckpt.last_committed)
 
                 if term > 0:
+                    # Whatever the collectives below do (a peer's VM gone mid-save), this process
+                    # exits 75 within the notice plus a margin: the attempt resumes from the last
+                    # COMMITTED step.
+                    since = time.monotonic() - (flags.sigterm_at or time.monotonic())
+                    hard = threading.Timer(max(1.0, NOTICE_S + HARD_EXIT_MARGIN_S - since), _hard_exit,
+                                           args=(f"the emergency save of step {step} did not finish within the "
+                                                 f"notice ({NOTICE_S:g} s + {HARD_EXIT_MARGIN_S:g} s)",))
+                    hard.daemon = True
+                    hard.start()
                     metrics.set_phase("stopping")
                     # Bounded by the notice: rank 0 decides how long to wait for an in-flight upload
                     # and whether a save of this step still fits (from measured save times).
@@ -502,6 +532,13 @@ class Run:
                 else:
                     log.warning("final checkpoint not committed; DONE not written")
             return finish(EXIT_DONE, "done")
+        except BaseException as e:
+            if not isinstance(e, (KeyboardInterrupt, SystemExit)) and peer_lost(e):
+                metrics.progress(step, last_loss, ckpt.last_committed, status="peer_lost", force=True,
+                                 exit_code=EXIT_PREEMPTED, phase="stopping")
+                metrics.close()  # the queued progress.json write lands before the hard exit
+                _hard_exit(_peer_lost_line(e, ckpt.last_committed))
+            raise
         finally:
             poll_done.set()
             loader.close()

@@ -173,6 +173,13 @@ class Trainer(_Model):
     """A log line (and a metrics.jsonl row) every N steps."""
     heartbeat_seconds: float = Field(5.0, gt=0)
     """How often progress.json is rewritten."""
+    collective_timeout_seconds: float = Field(600.0, ge=1, le=7200)
+    """Most a rank waits in one collective (NCCL and gloo: training, checkpoint groups) for a
+    peer before it gives up: a rank that died or hung on another node ends the survivors after
+    this long, exit 75 (the attempt resumes from the last COMMITTED checkpoint), not torch's
+    30-minute default. Raise it if one rank can legitimately lag the others longer (a checkpoint
+    upload's spread between ranks, a slow first compile). The emergency save at a preemption
+    notice is bounded by the notice instead."""
 
     @model_validator(mode="after")
     def _check(self) -> "Trainer":

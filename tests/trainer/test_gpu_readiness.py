@@ -1,0 +1,121 @@
+"""Units of the first-GPU-run review (issue 25) that CPU can show: no silent CPU fallback, the
+collective timeouts, Python 3.10's futures TimeoutError."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from concurrent.futures import Future
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+
+from trainer.errors import ConfigError
+
+
+class _Py310TimeoutError(Exception):
+    """concurrent.futures.TimeoutError as Python 3.10 defines it: not the builtin TimeoutError."""
+
+
+class _Stuck(Future):
+    def result(self, timeout=None):
+        raise concurrent.futures.TimeoutError()
+
+    def done(self):
+        return False
+
+
+def test_abandon_fires_with_python_310_futures_timeout(tmp_path, monkeypatch):
+    """On 3.10 ``fut.result(timeout)`` raises concurrent.futures.TimeoutError, which ``except
+    TimeoutError`` does not catch: the in-flight upload was then logged as failed instead of
+    abandoned, and the exit fast path never ran."""
+    from trainer.checkpoint import CheckpointManager
+
+    monkeypatch.setattr(concurrent.futures, "TimeoutError", _Py310TimeoutError)
+    ck = CheckpointManager(f"file://{tmp_path}", keep=2, async_mode="async", rank=0, world_size=1, dp_rank=0,
+                           describe={})
+    try:
+        ck._pending = (3, _Stuck(), {}, time.perf_counter())
+        assert ck.wait(timeout=0.01) is False  # still running: stays pending
+        ck.settle(timeout=0.01)
+        assert ck.abandoned == 3
+    finally:
+        ck._pending = None
+        ck.close()
+
+
+def test_default_timeout_of_the_mixed_backend_is_30_minutes():
+    """Why the trainer passes its own: torch gives "cpu:gloo,cuda:nccl" gloo's 30 minutes."""
+    from torch.distributed.distributed_c10d import Backend, _get_default_timeout
+
+    assert _get_default_timeout(Backend("cpu:gloo,cuda:nccl")) == timedelta(minutes=30)
+
+
+def _spec(gpu: str, timeout: float = 600.0):
+    return SimpleNamespace(resources=SimpleNamespace(gpu=gpu),
+                           trainer=SimpleNamespace(collective_timeout_seconds=timeout))
+
+
+def test_gpu_spec_without_cuda_is_refused(monkeypatch):
+    import torch
+
+    from trainer.distenv import select_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="CUDA is not usable.*nvidia-smi"):
+        select_device(_spec("H100"), 0)
+    assert select_device(_spec("cpu"), 0).type == "cpu"
+
+
+def test_fewer_gpus_than_local_ranks_is_refused(monkeypatch):
+    import torch
+
+    from trainer.distenv import select_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match="8 ranks on this node but only 4 GPU"):
+        select_device(_spec("H100"), 0)
+
+
+def test_cpu_build_is_refused():
+    from trainer.distenv import cuda_problem
+
+    fake = SimpleNamespace(__version__="2.13.0+cpu", version=SimpleNamespace(cuda=None),
+                           cuda=SimpleNamespace(is_available=lambda: False, device_count=lambda: 0))
+    assert "CPU-only build" in cuda_problem("H100", 8, fake)
+
+
+def test_trainer_exits_2_when_a_gpu_job_finds_no_cuda(tmp_path, monkeypatch, capsys):
+    """The whole trainer (one process, no torchrun): a GPU job on a node without usable CUDA is
+    refused with one line and exit 2, not trained on CPU."""
+    import torch
+    import yaml
+
+    from trainer.train import main
+
+    spec = {"name": "gpu-nocuda", "resources": {"providers": ["lambda"], "gpu": "H100", "gpus_per_node": 1},
+            "trainer": {"model": "tiny", "steps": 2, "batch_size": 2, "seq_len": 16},
+            "checkpoint": {"uri": f"file://{tmp_path}/run"}}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--job", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert "resources.gpu is H100 but CUDA is not usable" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "progress.json").exists()  # nothing trained
+
+
+def test_peer_lost_classification():
+    import torch.distributed as dist
+
+    from trainer.distenv import peer_lost
+
+    assert peer_lost(RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                                  "waiting 6000ms for recv operation to complete"))
+    assert peer_lost(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"))
+    assert peer_lost(dist.DistBackendError("NCCL error"))
+    assert not peer_lost(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not peer_lost(ValueError("x"))
