@@ -10,6 +10,9 @@ What it does, in order:
 2. Maps the provider's environment to torchrun flags (single node: ``--standalone``; SkyPilot
    multi-node: ``SKYPILOT_NODE_RANK``/``SKYPILOT_NODE_IPS``/``SKYPILOT_NUM_GPUS_PER_NODE`` →
    ``--nnodes/--node-rank/--master-addr/--master-port``).
+   Multi-node: ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` name the interface that carries this
+   node's private IP (:func:`network_env`); a master hostname that resolves to loopback, or a
+   loopback address for this node, is refused (exit 2).
 3. Starts ``torchrun ... -m trainer --job <file> --run-uri <uri>`` as a child in its own process
    group (through ``infra/torchrun_launch.py``, which passes the trainer's exit code through
    instead of torchrun's blanket 1). The child dies with the bootstrap (``PR_SET_PDEATHSIG``) and
@@ -206,6 +209,91 @@ class NodeConfig:
             raise ConfigError(f"{cfg.nnodes} nodes but no master address "
                               "(set SKYPILOT_NODE_IPS or DTRUN_MASTER_ADDR)")
         return cfg
+
+
+# ---- multi-node networking -------------------------------------------------------------------
+
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def ipv4_by_interface() -> dict[str, list[str]]:
+    """Each network interface's IPv4 addresses: ``ip -o -4 addr show`` (secondary addresses too),
+    else each interface's primary address through ``SIOCGIFADDR`` (stdlib only)."""
+    out: dict[str, list[str]] = {}
+    try:
+        text = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=10,
+                              check=True).stdout
+        for line in text.splitlines():  # "4: eth0    inet 10.0.0.5/24 brd … scope global eth0\ …"
+            parts = line.split()
+            if len(parts) >= 4 and parts[2] == "inet":
+                out.setdefault(parts[1].split("@")[0], []).append(parts[3].split("/")[0])
+        if out:
+            return out
+    except (OSError, subprocess.SubprocessError):
+        pass
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+            out.setdefault(name, []).append(socket.inet_ntoa(raw[20:24]))
+    return out
+
+
+def _is_ip(addr: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in addr else socket.AF_INET, addr)
+        return True
+    except OSError:
+        return False
+
+
+def _loopback(addrs: list[str]) -> list[str]:
+    return [a for a in addrs if a.startswith("127.") or a == "::1"]
+
+
+def _resolve(host: str) -> list[str]:
+    try:
+        return sorted({i[4][0] for i in socket.getaddrinfo(host, None)})
+    except OSError:
+        return []
+
+
+def network_env(cfg: NodeConfig, env: dict[str, str], ip: str | None, interfaces=ipv4_by_interface,
+                resolve=_resolve) -> dict[str, str]:
+    """Environment for a multi-node rendezvous (empty for one node), or ConfigError (exit 2).
+
+    gloo (every object collective, the checkpoint groups) and NCCL's bootstrap pick their address
+    from the hostname or the first interface they like; an image that maps the hostname to
+    127.0.1.1, or a docker0 bridge, then makes cross-node connects fail or hang. So both are
+    pinned to the interface that carries this node's private IP (``ip``: infra/node_report's
+    ``node_ip`` — ``SKYPILOT_NODE_IPS[rank]``, else the source address of the route to the
+    master); values already in the environment win. A master *hostname* that resolves to
+    loopback is refused: the other nodes would dial themselves. All nodes on one host (a loopback
+    master IP, as the tests run) need nothing."""
+    if cfg.nnodes <= 1:
+        return {}
+    master = cfg.master_addr or ""
+    if master and not _is_ip(master):
+        lo = _loopback(resolve(master))
+        if lo:
+            raise ConfigError(f"master address {master!r} resolves to loopback ({', '.join(lo)}): the other "
+                              f"nodes cannot reach it; set DTRUN_MASTER_ADDR (or SKYPILOT_NODE_IPS) to the "
+                              f"master node's private IP")
+    if _loopback([master]) or all(env.get(k) for k in SOCKET_IFNAME_VARS):
+        return {}
+    if not ip or _loopback([ip]):
+        raise ConfigError(f"this node's address is {ip or 'unknown'} for a {cfg.nnodes}-node rendezvous at "
+                          f"{master}: gloo would listen on loopback; set SKYPILOT_NODE_IPS or GLOO_SOCKET_IFNAME "
+                          f"and NCCL_SOCKET_IFNAME")
+    names = [n for n, ips in interfaces().items() if ip in ips]
+    if not names:  # e.g. a public IP behind NAT (a container host): leave the choice to gloo/NCCL
+        return {}
+    return {k: names[0] for k in SOCKET_IFNAME_VARS if not env.get(k)}
 
 
 def torchrun_flags(cfg: NodeConfig) -> list[str]:
@@ -557,6 +645,19 @@ def main() -> int:
         return user
     argv = user.argv() if user else trainer_argv(cfg, job_file)
     env = user.env() if user else dict(os.environ)
+    try:
+        net = network_env(cfg, env, report.record["ip"])
+    except ConfigError as e:
+        log(f"bad node network: {e}")
+        report.close(EXIT_BAD_CONFIG)
+        _finish(cfg)
+        return EXIT_BAD_CONFIG
+    if net:
+        log("multi-node network: " + " ".join(f"{k}={v}" for k, v in sorted(net.items())))
+    elif multi and not all(env.get(k) for k in SOCKET_IFNAME_VARS):
+        log(f"multi-node network: this node's IP {report.record['ip']} is on none of its interfaces; "
+            "gloo/NCCL pick their own (set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME if they pick wrong)")
+    env.update(net)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
     env.setdefault("DTRUN_ATTEMPT", str(cfg.attempt))
     env["PYTHONUNBUFFERED"] = "1"

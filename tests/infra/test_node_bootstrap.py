@@ -415,3 +415,46 @@ def test_node_reports_its_rank_ip_state_and_output(tmp_path):
     text = runuri.read_text(runuri.node_uri(uri, 3, 1, "log"))
     assert "[dtrun-node" in text and "trainer exited 0" in text
     assert "node 1/2" in text and "node 1/2" in err  # passed through as well as recorded
+
+
+# ---- multi-node networking ---------------------------------------------------------------------
+
+def _multi(**extra):
+    env = {"DTRUN_RUN_URI": "s3://b/r", "DTRUN_JOB": "j", "SKYPILOT_NODE_RANK": "1",
+           "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n", "SKYPILOT_NUM_GPUS_PER_NODE": "8", **extra}
+    return nb.NodeConfig.from_env(env), env
+
+
+IFACES = {"lo": ["127.0.0.1"], "docker0": ["172.17.0.1"], "ens5": ["10.0.0.6", "10.0.9.9"]}
+
+
+def test_socket_ifname_is_the_interface_of_the_nodes_private_ip():
+    cfg, env = _multi()
+    ip = nb.node_ip(env, cfg.node_rank, cfg.master_addr)
+    assert ip == "10.0.0.6"
+    assert nb.network_env(cfg, env, ip, interfaces=lambda: IFACES) == {"GLOO_SOCKET_IFNAME": "ens5",
+                                                                      "NCCL_SOCKET_IFNAME": "ens5"}
+    # the environment's own choice wins; one node, or every node on this host, needs none
+    assert nb.network_env(cfg, {**env, "NCCL_SOCKET_IFNAME": "ib0"}, ip, interfaces=lambda: IFACES) == {
+        "GLOO_SOCKET_IFNAME": "ens5"}
+    one = nb.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j"})
+    assert nb.network_env(one, {}, None, interfaces=lambda: IFACES) == {}
+    # an IP on none of the interfaces (a public IP behind NAT): gloo/NCCL choose, as before
+    assert nb.network_env(cfg, env, "203.0.113.7", interfaces=lambda: IFACES) == {}
+    local, lenv = _multi(SKYPILOT_NODE_IPS="", DTRUN_NNODES="2", DTRUN_MASTER_ADDR="127.0.0.1")
+    assert nb.network_env(local, lenv, "127.0.0.1", interfaces=lambda: IFACES) == {}
+
+
+def test_real_interfaces_name_loopback():
+    assert "127.0.0.1" in nb.ipv4_by_interface().get("lo", [])
+
+
+@pytest.mark.parametrize("extra, ip, resolved, msg", [
+    ({"DTRUN_MASTER_ADDR": "head-node"}, "10.0.0.6", ["127.0.1.1"], "'head-node' resolves to loopback"),
+    ({"SKYPILOT_NODE_IPS": "", "DTRUN_NNODES": "2", "DTRUN_MASTER_ADDR": "10.0.0.5"}, "127.0.1.1", [],
+     "address is 127.0.1.1 .* gloo would listen on loopback"),
+])
+def test_unreachable_rendezvous_is_refused(extra, ip, resolved, msg):
+    cfg, env = _multi(**extra)
+    with pytest.raises(nb.ConfigError, match=msg):
+        nb.network_env(cfg, env, ip, interfaces=lambda: IFACES, resolve=lambda h: resolved)
