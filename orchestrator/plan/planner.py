@@ -38,8 +38,9 @@ grads           4 B × local shard (fp32 reduce)   4 B × local shard
                 holds no full-size accumulator: the same bytes at any accumulation count)
 optimizer       AdamW: 8 B (two fp32 moments);    same
                 Muon: 4 B momentum on the 2-D block weights, AdamW's 8 B on the rest
-gathered        2 B × unsharded parameters in flight (ZeRO-3 and DDP/HSDP: the root unit + one
-                block; ZeRO-2: the whole model) + unsharded gradients of one block (2 + 4 B)
+gathered        2 B × unsharded parameters in flight (ZeRO-3 and DDP/HSDP: the root unit + two
+                blocks, FSDP2's prefetch; ZeRO-2: the whole model) + unsharded gradients of one
+                block (2 + 4 B)
 activations     Korthikanti et al. 2022 (below)
 overhead        10 % headroom on the sum above + 2 GB fixed (CUDA context ~0.5–1 GB, NCCL
                 buffers, allocator fragmentation)
@@ -86,8 +87,17 @@ from orchestrator.plan.spec import JobSpec, Parallel
 GB = 1e9
 HEADROOM = 0.10
 """Fraction added on top of the modelled bytes (allocator fragmentation, temporaries)."""
+PREFETCHED_BLOCKS = 2
+"""Blocks whose parameters FSDP2 holds gathered at once under ZeRO-3: the one computing and the
+one prefetched (torch 2.13 ``_fsdp_param_group.py``: forward prefetches the next, backward the
+previous)."""
 FIXED_OVERHEAD_BYTES = int(2.0 * GB)
 """CUDA context, cuBLAS/NCCL workspaces and buffers per GPU."""
+HOST_FIXED_BYTES_PER_RANK = int(4.0 * GB)
+"""Host memory of one GPU rank beside its checkpoint staging: torch and Python, the host side of
+the CUDA context, gloo/NCCL buffers (an allowance, not measured here: no GPU)."""
+HOST_LOADER_BYTES_PER_RANK = int(0.25 * GB)
+"""The data loader's block cache and pinned batches per rank (8 MiB blocks, a few in flight)."""
 
 Device = Literal["gpu", "cpu"]
 
@@ -531,7 +541,9 @@ def evaluate_rung(spec: JobSpec, par: Parallel, strategy: str, device: Device,
     elif not par.reshard_after_forward:
         gathered = elem * total_local + (elem + 4) * biggest
     else:
-        gathered = elem * (units.get("root", 0) + biggest) + (elem + 4) * biggest
+        # FSDP2 prefetches: the next block's all-gather runs while the current block computes
+        # (forward; the previous one in backward), so two blocks' parameters are gathered at once.
+        gathered = elem * (units.get("root", 0) + PREFETCHED_BLOCKS * biggest) + (elem + 4) * biggest
     acts = activation_bytes(ms, t.seq_len, mb, elem, tp=par.tp, ep=par.ep,
                             checkpointing=checkpointing or t.activation_checkpointing,
                             fused_attention=device == "gpu")
@@ -829,7 +841,46 @@ def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None =
     return p
 
 
+def host_bytes_per_node(spec: JobSpec, par: Parallel, gpus_per_node: int) -> dict[str, int]:
+    """Host memory a GPU node needs (bytes): async checkpoints stage a copy of each rank's model
+    and optimizer state in pinned host memory, kept for the whole run (DCP's stager: about 12 B
+    per parameter per rank with AdamW's fp32 master and moments), plus the loader and a fixed
+    allowance per rank."""
+    state = state_bytes_per_rank(spec.trainer.model_spec, par, optimizer=spec.trainer.optimizer, padded=True)
+    staging = 0 if spec.checkpoint.async_mode == "sync" else state["params"] + state["optimizer"]
+    out = {"staging": staging * gpus_per_node, "loader": HOST_LOADER_BYTES_PER_RANK * gpus_per_node,
+           "fixed": HOST_FIXED_BYTES_PER_RANK * gpus_per_node}
+    out["total"] = sum(out.values())
+    return out
+
+
+def host_memory_problem(spec: JobSpec, p: MemoryPlan) -> str | None:
+    """Where dtrun sizes the node's host memory (Modal: ``resources.memory_gb_per_gpu`` × GPUs is
+    the container's limit), why the plan's host memory does not fit it (else None). Instance
+    providers give the instance's memory, which the offers do not carry: the trainer checks
+    that at start (``trainer/checkpoint.py``, sync saves when the staging copy does not fit)."""
+    if p.gpu == "cpu" or "modal" not in spec.resources.providers:
+        return None
+    need = host_bytes_per_node(spec, p.parallel, p.gpus_per_node)
+    have = spec.resources.memory_gb_per_gpu * p.gpus_per_node * 2**30
+    if need["total"] <= have:
+        return None
+    per_gpu = need["total"] / p.gpus_per_node / 2**30
+    return (f"resources.memory_gb_per_gpu ({spec.resources.memory_gb_per_gpu:g} GiB) is too little host memory "
+            f"on Modal: each GPU's rank needs about {per_gpu:.0f} GiB (async checkpoint staging "
+            f"{need['staging'] / p.gpus_per_node / 2**30:.1f} GiB, loader and process "
+            f"{(need['loader'] + need['fixed']) / p.gpus_per_node / 2**30:.1f} GiB); raise it to "
+            f"{int(per_gpu) + 1}, or set checkpoint.async_mode: sync")
+
+
 def fit_check(spec: JobSpec, gpu: str | None = None) -> tuple[MemoryPlan, str | None]:
+    """The memory plan the job would run with on ``gpu`` and, when it does not fit — GPU memory,
+    or the host memory dtrun requests on Modal — why (else None)."""
+    p, why = _gpu_fit_check(spec, gpu)
+    return p, why or host_memory_problem(spec, p)
+
+
+def _gpu_fit_check(spec: JobSpec, gpu: str | None = None) -> tuple[MemoryPlan, str | None]:
     """The memory plan the job would run with on ``gpu`` (auto: :func:`auto_plan`; explicit
     degrees: the ladder for reference) and, when it does not fit, why (else None).
     CPU ranks always fit (host memory is not checked)."""
