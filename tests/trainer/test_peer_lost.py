@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from datetime import timedelta
 
 import pytest
-from conftest import LAUNCH, REPO, wait_for
+from conftest import LAUNCH, REPO, free_port, two_nodes, wait_for
 
 from infra.node_bootstrap import descendants
 from orchestrator.contract import runuri
@@ -27,12 +26,6 @@ from orchestrator.contract import runuri
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 6  # trainer.collective_timeout_seconds in this test (the default is 600)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _progress(uri: str) -> dict:
@@ -43,8 +36,8 @@ def _progress(uri: str) -> dict:
 
 
 def _node(job, rank: int, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, str(LAUNCH), "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
-           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "trainer", "--job", str(job)]
+    cmd = [sys.executable, str(LAUNCH), *two_nodes(port, rank), "--nproc-per-node", "1", "-m", "trainer",
+           "--job", str(job)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO),
            "DTRUN_DEBUG_STEP_SLEEP": "0.3"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -56,7 +49,7 @@ def test_survivor_exits_75_within_the_collective_timeout(trainer, tmp_path, how)
     uri = f"file://{tmp_path}/run"
     job = trainer.job(f"peer-{how}", nproc=2, run_uri=uri, steps=400, every=2,
                       collective_timeout_seconds=TIMEOUT_S)
-    port = _free_port()
+    port = free_port()
     n0, n1 = _node(job, 0, port), _node(job, 1, port)
     trainer.procs += [n0, n1]
     try:
