@@ -120,11 +120,11 @@ def _module_level_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_import_loops():
-    graph = _module_level_graph()
+def _loops(graph: dict[str, set[str]]) -> list[str]:
+    """Every cycle a depth-first walk of ``graph`` meets, as "a → b → a"."""
     seen: dict[str, int] = {}
     stack: list[str] = []
-    loops = []
+    loops: list[str] = []
 
     def visit(m: str) -> None:
         seen[m] = 1
@@ -140,6 +140,11 @@ def test_no_import_loops():
     for m in sorted(graph):
         if m not in seen:
             visit(m)
+    return loops
+
+
+def test_no_import_loops():
+    loops = _loops(_module_level_graph())
     # a package importing its own submodule in __init__ is not a loop worth reporting
     loops = [lp for lp in loops if not all(_under(x, lp.split(" → ")[0]) for x in lp.split(" → "))]
     assert loops == []
@@ -167,25 +172,7 @@ def _lazy_loops(mods: dict[str, Path]) -> list[str]:
             if (target and target != m and mods[target].name != "__init__.py"
                     and _package_of(mods, target) == _package_of(mods, m)):
                 graph[m].add(target)
-    seen: dict[str, int] = {}
-    stack: list[str] = []
-    loops: list[str] = []
-
-    def visit(m: str) -> None:
-        seen[m] = 1
-        stack.append(m)
-        for n in sorted(graph[m]):
-            if seen.get(n) == 1:
-                loops.append(" → ".join(stack[stack.index(n):] + [n]))
-            elif n not in seen:
-                visit(n)
-        stack.pop()
-        seen[m] = 2
-
-    for m in sorted(graph):
-        if m not in seen:
-            visit(m)
-    return loops
+    return _loops(graph)
 
 
 def test_no_lazy_import_loops_inside_a_package():

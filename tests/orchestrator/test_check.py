@@ -20,15 +20,8 @@ GOOD, BAD, SLOW = "good-key-1234567890", "bad-key-0987654321", "slow-key-5555555
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    h = tmp_path / "home"
-    h.mkdir()
-    monkeypatch.setenv("HOME", str(h))
-    monkeypatch.setenv("MODAL_CONFIG_PATH", str(h / ".modal.toml"))
-    for v in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "MODAL_PROFILE", "RUNPOD_API_KEY", "VAST_API_KEY",
-              "LAMBDA_API_KEY"):
-        monkeypatch.delenv(v, raising=False)
-    return h
+def home(no_credentials):
+    return no_credentials
 
 
 def keys(home: Path, runpod: str | None = None, lam: str | None = None, vast: str | None = None) -> None:

@@ -15,19 +15,6 @@ ROOT = Path(__file__).resolve().parents[2]
 GPT2 = ROOT / "jobs" / "gpt2-124m.yaml"
 
 
-@pytest.fixture
-def no_credentials(tmp_path, monkeypatch):
-    """A HOME with no provider credentials at all (a fresh machine)."""
-    home = tmp_path / "bare-home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("DTRUN_SKY_CATALOG_DIR", str(tmp_path / "no-catalogs"))
-    monkeypatch.setenv("MODAL_CONFIG_PATH", str(home / ".modal.toml"))
-    for v in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "RUNPOD_API_KEY", "VAST_API_KEY", "LAMBDA_API_KEY"):
-        monkeypatch.delenv(v, raising=False)
-    return home
-
-
 def _json(capsys, argv):
     rc = main(argv)
     return rc, json.loads(capsys.readouterr().out)
