@@ -354,12 +354,22 @@ class Controller:
         if reattach:
             self._reattach()
         else:
-            if runuri.exists(runuri.join(self.run_uri, runuri.DONE)):
+            try:
+                done = runuri.exists(runuri.join(self.run_uri, runuri.DONE))
+                if not done:
+                    runuri.write_text(runuri.join(self.run_uri, JOB_YAML), spec_to_yaml(self.spec))
+            except OSError as e:
+                # Nothing rented yet: end the job (never leave it PENDING) and say why, exit 6.
+                from orchestrator.run.uricheck import UriRefused
+
+                why = f"the run URI {self.run_uri} cannot be used: {describe_error(e)}"
+                self.transition("FAILED", why)
+                raise UriRefused(f"{why}; nothing rented") from None
+            if done:
                 self.event("done", f"{self.run_uri} already has DONE: nothing to train "
                                    f"(remove the run URI to train again)")
                 self.transition("SUCCEEDED", "already finished (DONE in the run URI)")
                 return "SUCCEEDED"
-            runuri.write_text(runuri.join(self.run_uri, JOB_YAML), spec_to_yaml(self.spec))
             self.event("start", f"controller pid {self.pid} on {HOST}; run URI {self.run_uri}")
             if self.spec.command is not None:
                 from orchestrator.run.codeship import ship_event

@@ -301,3 +301,28 @@ def test_down_yes_and_the_question_on_a_terminal(tmp_path, capsys, monkeypatch, 
     assert main(["down", "live-job"]) == 130
     assert "Stop live-job" in capsys.readouterr().out
     assert store.pop_action("live-job") is None  # nothing asked of the controller
+
+
+def test_a_run_uri_failing_at_the_controllers_start_ends_the_job_not_pending(tmp_path):
+    """Past the checks (another process, a disk that filled): the controller ends the job FAILED
+    with the reason and rents nothing; it is never left PENDING."""
+    from orchestrator.plan.spec import parse_spec
+    from orchestrator.run.clock import VirtualClock
+    from orchestrator.run.controller import Controller
+    from orchestrator.run.state import StateStore
+    from orchestrator.run.uricheck import UriRefused
+    from providers.fake import FakeOfferTemplate, FakeProvider
+
+    (tmp_path / "a-file").write_text("x")
+    spec = parse_spec({"name": "late", "resources": {"providers": ["fake"], "gpu": "H100", "gpus_per_node": 1},
+                       "trainer": {"model": "tiny", "steps": 10, "batch_size": 8, "seq_len": 64},
+                       "checkpoint": {"uri": f"file://{tmp_path}/a-file/run"}, "budget": {"max_usd": 10}})
+    clock = VirtualClock()
+    cloud = FakeProvider(clock=clock, offers=[FakeOfferTemplate("fake-east", "H100", False, 1.0)])
+    store = StateStore(tmp_path / "state.db")
+    with pytest.raises(UriRefused) as ei:
+        Controller(spec, store, clock=clock, providers={"fake": cloud}).run()
+    assert ei.value.exit_code == 6 and "a-file/run" in str(ei.value)
+    row = store.get_job("late")
+    assert row["state"] == "FAILED" and "cannot be used" in row["reason"]
+    assert cloud.instances() == []
