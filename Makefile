@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo demo-synthetic test e2e bench clean
+.PHONY: demo demo-synthetic test test-fast e2e bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ demo-synthetic: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e"
+
+# The inner loop: everything but the real-torchrun tests (marked slow) and the e2e suites.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not e2e and not slow"
 
 # End-to-end suites against the emulated clouds in tests/e2e/ (slow; some need root).
 # The Lambda lab (tests/e2e/lambdalab) needs root, namespaces and sshd/rsync/sudo/tini: the script

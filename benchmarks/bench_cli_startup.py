@@ -1,5 +1,7 @@
-"""CLI fast paths vs `import sky`: `dtrun --help` and the dry run must take ≤ 0.3 × the time of
-`python -c "import sky"` measured in the same run, and must not import torch, sky or boto3.
+"""CLI fast paths vs `import sky`: the dry run must take ≤ 0.15 × the time of `python -c "import
+sky"` measured in the same run (`--help` and `prices` ≤ 0.3 ×), and none may import torch, sky or
+boto3. The runs are interleaved (sky, then each case, repeated), so a machine busy with other work
+slows both sides alike; the ratio is of medians.
 
 Usage: python benchmarks/bench_cli_startup.py [--repeat N]   (prints one JSON object)
 """
@@ -39,24 +41,35 @@ def heavy_modules(argv: list[str]) -> list[str]:
     return [m for m in line[-1][len("HEAVY="):].split(",") if m] if line else ["<probe failed>"]
 
 
+TARGETS = {"help": 0.3, "dry_run_gpt2": 0.15, "prices_h100": 0.3}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     dtrun = [sys.executable, "-m", "orchestrator.cli"]
-    sky_s = median_time([sys.executable, "-c", "import sky"], args.repeat)
     cases = {
         "help": ["--help"],
         "dry_run_gpt2": ["up", "jobs/gpt2-124m.yaml", "--dry-run"],
         "prices_h100": ["prices", "H100", "--json"],
     }
-    out: dict = {"import_sky_s": round(sky_s, 3), "target_ratio": 0.3, "cases": {}}
+    sky_cmd = [sys.executable, "-c", "import sky"]
+    for cmd in [sky_cmd] + [dtrun + a for a in cases.values()]:
+        timed(cmd)  # warm the file cache and write the bytecode first
+    times: dict[str, list[float]] = {"sky": [], **{n: [] for n in cases}}
+    for _ in range(args.repeat):
+        times["sky"].append(timed(sky_cmd)[0])
+        for name, argv in cases.items():
+            times[name].append(timed(dtrun + argv)[0])
+    sky_s = statistics.median(times["sky"])
+    out: dict = {"import_sky_s": round(sky_s, 3), "targets": TARGETS, "cases": {}}
     for name, argv in cases.items():
-        t = median_time(dtrun + argv, args.repeat)
+        t = statistics.median(times[name])
         out["cases"][name] = {
             "seconds": round(t, 3),
             "ratio_to_import_sky": round(t / sky_s, 3),
-            "meets_target": t <= 0.3 * sky_s,
+            "meets_target": t <= TARGETS[name] * sky_s,
             "heavy_modules_imported": heavy_modules(argv),
         }
     print(json.dumps(out, indent=2))

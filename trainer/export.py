@@ -302,6 +302,8 @@ def _copy_tokenizer(manifest: dict[str, Any] | None, data_uri: str | None, out_d
     if hf:
         vocab = json.load(open(os.path.join(out_dir, "tokenizer.json"))).get("added_tokens") or []
         eot_tok = next((a["content"] for a in vocab if a.get("id") == eot), None)
+        if eot_tok:
+            _start_documents_with(os.path.join(out_dir, "tokenizer.json"), eot_tok, eot)
         cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30, "clean_up_tokenization_spaces": False}
         if eot_tok:
             cfg.update(bos_token=eot_tok, eos_token=eot_tok, unk_token=eot_tok)
@@ -309,6 +311,20 @@ def _copy_tokenizer(manifest: dict[str, Any] | None, data_uri: str | None, out_d
             json.dump(cfg, f, indent=1)
         files.append("tokenizer_config.json")
     return files
+
+
+def _start_documents_with(path: str, eot_tok: str, eot: int) -> None:
+    """The exported tokenizer puts the end-of-text token before a text, as ``data prepare`` put it
+    before every document and ``dtrun sample`` before its prompt: ``transformers`` then continues a
+    prompt from the same context (greedy continuations identical). ``add_special_tokens=False``
+    encodes without it."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import processors
+
+    tok = HFTok.from_file(path)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{eot_tok} $A", pair=f"{eot_tok} $A {eot_tok} $B:1", special_tokens=[(eot_tok, eot)])
+    tok.save(path)
 
 
 def load_dtrun(out_dir: str):

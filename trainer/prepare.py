@@ -16,11 +16,11 @@ How (deterministic, so a rerun writes the same bytes):
    worker single-threaded); results come back in unit order. Each document is preceded by the
    tokenizer's end-of-text token (llm.c's convention), when it has one.
 3. *write*: the first ``val_tokens`` tokens of the stream become ``val_000000.bin`` … (the
-   validation split), the rest ``train_000000.bin`` … of ``shard_tokens`` tokens each (the last one
-   shorter). uint16 tokens when the vocabulary fits, the uint32 variant otherwise
-   (``trainer.shards``). After each shard, ``_prepare_state.json`` records it and where the next
-   shard starts (unit, offset): a rerun after an interruption skips the finished units without
-   tokenizing them again. Last, ``manifest.json`` (tokenizer name and sha256, vocabulary size,
+   validation split; by default ``auto_val_tokens``: a tenth of the corpus, at most 1M), the rest
+   ``train_000000.bin`` … of ``shard_tokens`` tokens each (the last one shorter). uint16 tokens
+   when the vocabulary fits, the uint32 variant otherwise (``trainer.shards``). After each shard,
+   ``_prepare_state.json`` records it and where the next shard starts (unit, offset): a rerun
+   after an interruption skips the finished units without tokenizing them again. Last, ``manifest.json`` (tokenizer name and sha256, vocabulary size,
    token counts, shard list with sha256) and, for Hugging Face tokenizers, a copy of
    ``tokenizer.json``; the state file is then removed. ``manifest.json`` present = complete.
 
@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from trainer import shards
+from trainer.manifest import MANIFEST, manifest_dir, read_manifest  # noqa: F401 - re-exported
 from trainer.tokenizer import Tokenizer, TokenizerError, load, manifest_json
 
 UNIT_BYTES_ENV = "DTRUN_PREPARE_UNIT_BYTES"
@@ -55,8 +56,13 @@ TEXT_EXT = (".txt", ".md", ".text", ".rst")
 JSONL_EXT = (".jsonl", ".json", ".ndjson")
 PARQUET_EXT = (".parquet",)
 STATE = "_prepare_state.json"
-MANIFEST = "manifest.json"
 FORMAT = "dtrun-shards/1"
+VAL_TOKENS_CAP = 1_000_000
+VAL_FRACTION = 10
+"""The default validation split: 1/VAL_FRACTION of the corpus, at most VAL_TOKENS_CAP tokens.
+A tenth is nanoGPT's split for small corpora (enough windows for a steady loss on a 50k-token
+corpus: 5k tokens); 1M tokens (1,000 windows of 1,024) estimates the loss to ~0.01 nats, and more
+only takes training data away, so corpora above 10M tokens hold out exactly 1M."""
 STOP_ENV = "DTRUN_DEBUG_PREPARE_EXIT_AFTER_SHARDS"
 """Test-only knob: the process exits (code 99, like a kill) after writing this many shards."""
 EXIT_DEBUG_STOP = 99
@@ -187,6 +193,19 @@ def plan_units(source: str, text_field: str = "text") -> tuple[list[Unit], list[
     if cur:
         units.append(tuple(cur))
     return units, desc, total
+
+
+def iter_documents(source: str, text_field: str = "text") -> Iterator[str]:
+    """Every document ``prepare`` reads from ``source`` (text, JSONL, Parquet, datasets), in its
+    order; text files in pieces of about ``unit_bytes()`` cut at blank lines. ``data tokenizer``
+    trains on this, so a tokenizer sees what the shards will hold."""
+    units, _, _ = plan_units(source, text_field)
+    try:
+        for u in units:
+            for sg in u:
+                yield from _docs(sg, text_field)
+    finally:
+        _W.pop("ds", None)
 
 
 def _open_dataset(kind: str, path: str):
@@ -350,7 +369,8 @@ def _config_hash(desc: list[dict[str, Any]], tok: Tokenizer, shard_tokens: int, 
         p = d["path"]
         st = os.stat(p) if os.path.exists(p) else None
         stat.append([p, d["bytes"], st.st_mtime_ns if st else None])
-    blob = json.dumps([stat, tok.sha256, shard_tokens, val_tokens, text_field, unit_bytes()], sort_keys=True)
+    blob = json.dumps([stat, tok.sha256, shard_tokens, "auto" if val_tokens is None else val_tokens, text_field,
+                       unit_bytes()], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -364,12 +384,17 @@ class Progress:
     skipped_units: int = 0
 
 
-def prepare(source: str, out: str, *, tokenizer: str = "gpt2", val_tokens: int = 1_000_000,
+def auto_val_tokens(corpus_tokens: int) -> int:
+    """The default ``--val-tokens`` for a corpus of this many tokens."""
+    return min(VAL_TOKENS_CAP, corpus_tokens // VAL_FRACTION)
+
+
+def prepare(source: str, out: str, *, tokenizer: str = "gpt2", val_tokens: int | None = None,
             shard_tokens: int = 100_000_000, workers: int | None = None, text_field: str = "text",
             on_progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
-    """Prepare ``source`` into ``out``; returns the manifest. Errors: ``PrepareError`` /
-    ``TokenizerError`` (bad input; the output is cleaned up)."""
-    if val_tokens < 0 or shard_tokens <= 0:
+    """Prepare ``source`` into ``out``; returns the manifest. ``val_tokens`` None: ``auto_val_tokens``
+    of the corpus. Errors: ``PrepareError`` / ``TokenizerError`` (bad input; the output is cleaned up)."""
+    if (val_tokens is not None and val_tokens < 0) or shard_tokens <= 0:
         raise PrepareError("--val-tokens must be ≥ 0 and --shard-tokens > 0")
     tok = load(tokenizer)  # TokenizerError before anything else
     units, desc, total_bytes = plan_units(source, text_field)
@@ -410,6 +435,9 @@ def _run(units, desc, total_bytes, tok, o: _Out, state, cfg, val_tokens, shard_t
          on_progress, wrote) -> dict[str, Any]:
     dtype = shards.token_dtype(tok.vocab_size)
     start_unit, skip = state["cursor"]
+    # auto: known once the stream holds VAL_FRACTION × the cap (then it is the cap) or has ended;
+    # until then the tokens wait in memory (at most 10M tokens, 40 MB). A resumed run reads it back.
+    val_tokens = state.get("val_tokens", val_tokens)
     val_done = sum(s["tokens"] for s in state["shards"] if s["split"] == "val")
     train_done = sum(s["tokens"] for s in state["shards"] if s["split"] == "train")
     n_val = sum(1 for s in state["shards"] if s["split"] == "val")
@@ -458,6 +486,22 @@ def _run(units, desc, total_bytes, tok, o: _Out, state, cfg, val_tokens, shard_t
         if stop_after and prog.shards - first_shards >= stop_after:
             os._exit(EXIT_DEBUG_STOP)  # test knob: a kill right after a shard and its state were written
 
+    def drain(next_unit: int) -> None:
+        """Write every full shard the buffer holds: validation first, then training."""
+        nonlocal val_done, train_done
+        while True:
+            if val_done < val_tokens:
+                n = min(val_tokens - val_done, shard_tokens)
+                if buffered >= n and n > 0:
+                    flush("val", n, next_unit)
+                    val_done += n
+                    continue
+            elif buffered >= shard_tokens:
+                flush("train", shard_tokens, next_unit)
+                train_done += shard_tokens
+                continue
+            break
+
     first_shards = prog.shards
     stop_after = int(os.environ.get(STOP_ENV, "0") or 0)
     nworkers = max(1, min(workers or os.cpu_count() or 1, len(units) - start_unit or 1))
@@ -475,21 +519,16 @@ def _run(units, desc, total_bytes, tok, o: _Out, state, cfg, val_tokens, shard_t
         prog.docs += ndocs
         prog.bytes_done += nbytes
         prog.tokens += len(arr)
-        while True:
-            if val_done < val_tokens:
-                n = min(val_tokens - val_done, shard_tokens)
-                if buffered >= n and n > 0:
-                    flush("val", n, ui + 1)
-                    val_done += n
-                    continue
-            elif buffered >= shard_tokens:
-                flush("train", shard_tokens, ui + 1)
-                train_done += shard_tokens
-                continue
-            break
+        if val_tokens is None and buffered >= VAL_FRACTION * VAL_TOKENS_CAP:
+            val_tokens = state["val_tokens"] = VAL_TOKENS_CAP
+        if val_tokens is not None:
+            drain(ui + 1)
         if on_progress:
             on_progress(prog)
     # the tail
+    if val_tokens is None:  # auto, and the whole corpus is in memory: a tenth of it
+        val_tokens = state["val_tokens"] = auto_val_tokens(buffered)
+        drain(len(units))
     if val_done < val_tokens:
         total = val_done + buffered
         raise PrepareError(f"the corpus holds {total:,} tokens, not more than --val-tokens ({val_tokens:,}): "
@@ -529,29 +568,6 @@ def _results(todo: list[Unit], tok: Tokenizer, text_field: str, nworkers: int) -
     finally:
         pool.terminate()
         pool.join()
-
-
-# ---- reading a manifest (trainer, weights, sample) ---------------------------------------------
-
-def manifest_dir(data: str) -> str:
-    """The folder whose manifest.json describes ``trainer.data`` (a folder, file or glob)."""
-    d = data
-    if any(ch in d for ch in "*?[") or d.endswith((".bin", ".npy")):
-        d = d.rsplit("/", 1)[0] if "/" in d else "."
-    return d
-
-
-def read_manifest(data: str) -> dict[str, Any] | None:
-    """The ``data prepare`` manifest beside ``trainer.data``, or None (synthetic, other shards)."""
-    if data == "synthetic":
-        return None
-    from orchestrator.contract import runuri
-
-    d = manifest_dir(data if "://" in data else os.path.abspath(os.path.expanduser(data)))
-    try:
-        return runuri.read_json(runuri.join(d, MANIFEST))
-    except Exception:  # noqa: BLE001 - unreadable: the loader reports the data problem itself
-        return None
 
 
 def describe_rate(p: Progress, t0: float) -> str:

@@ -15,7 +15,7 @@ import typer
 from orchestrator.contract.errors import EXIT_OK, UsageError
 
 
-def cmd_prepare(source: str, out: str, tokenizer: str, val_tokens: int, shard_tokens: int, workers: int | None,
+def cmd_prepare(source: str, out: str, tokenizer: str, val_tokens: int | None, shard_tokens: int, workers: int | None,
                 text_field: str, quiet: bool) -> int:
     from trainer.prepare import PrepareError, prepare
     from trainer.tokenizer import TokenizerError
@@ -27,28 +27,30 @@ def cmd_prepare(source: str, out: str, tokenizer: str, val_tokens: int, shard_to
                         workers=workers, text_field=text_field, on_progress=bar.update)
     except (PrepareError, TokenizerError) as e:
         raise UsageError(f"data prepare: {e}; nothing written under {out}") from None
+    how = "" if val_tokens is not None else " (--val-tokens default: a tenth of the corpus, at most 1,000,000)"
     print(f"{out}: {m['train']['tokens']:,} training tokens in {len(m['train']['shards'])} shard(s), "
-          f"{m['val']['tokens']:,} validation tokens, {m['documents']:,} documents; tokenizer "
+          f"{m['val']['tokens']:,} validation tokens{how}, {m['documents']:,} documents; tokenizer "
           f"{m['tokenizer']['name']} (vocabulary {m['vocab_size']:,}, {m['dtype']})")
     print(f"  train on it with   trainer: {{data: {out}}}   (validation shards are found beside it)")
     return EXIT_OK
 
 
-def cmd_tokenizer(source: str, vocab_size: int, out: str) -> int:
-    from trainer.prepare import PrepareError, plan_units
+def cmd_tokenizer(source: str, vocab_size: int, out: str, text_field: str = "text") -> int:
+    from trainer.prepare import PrepareError, iter_documents, plan_units
     from trainer.tokenizer import TokenizerError, train_bpe
 
     try:
-        units, _, _ = plan_units(source)
-        files = sorted({sg.path for u in units for sg in u if sg.kind == "text"})
-        if not files:
-            raise PrepareError(f"{source}: training a tokenizer reads text files (.txt, .md)")
+        _, sources, _ = plan_units(source, text_field)  # every source `data prepare` reads, checked first
         t0 = time.monotonic()
-        tok = train_bpe(files, vocab_size, out)
+        tok = train_bpe(iter_documents(source, text_field), vocab_size, out, files=False)
     except (PrepareError, TokenizerError) as e:
         raise UsageError(f"data tokenizer: {e}") from None
-    print(f"{out}: byte-level BPE, vocabulary {tok.vocab_size:,}, trained on {len(files)} file(s) in "
+    print(f"{out}: byte-level BPE, vocabulary {tok.vocab_size:,}, trained on {len(sources)} source(s) in "
           f"{time.monotonic() - t0:.1f} s")
+    if tok.vocab_size < vocab_size:
+        print(f"warning: asked for a vocabulary of {vocab_size:,} but the corpus supports only {tok.vocab_size:,} "
+              f"(every merge seen in it was learned); a model's vocab_size of {tok.vocab_size:,} is enough, "
+              "or train on more text", file=sys.stderr)
     return EXIT_OK
 
 
@@ -112,7 +114,9 @@ def data_prepare(
                                          "(save_to_disk) or hf:NAME[:SPLIT].", show_default=False)],
     out: Annotated[str, typer.Option("--out", help="Output folder or URI (s3://…).", show_default=False)],
     tokenizer: Annotated[str, typer.Option(help="gpt2 (tiktoken), a tokenizer.json path, or a cached HF repo id.")] = "gpt2",
-    val_tokens: Annotated[int, typer.Option(help="Tokens held out for validation.")] = 1_000_000,
+    val_tokens: Annotated[Optional[int], typer.Option(
+        help="Tokens held out for validation (default: a tenth of the corpus, at most 1,000,000).",
+        show_default=False)] = None,
     shard_tokens: Annotated[int, typer.Option(help="Tokens per shard file.")] = 100_000_000,
     workers: Annotated[Optional[int], typer.Option(help="Tokenizer processes (default: every core).")] = None,
     text_field: Annotated[str, typer.Option(help="JSONL field / Parquet column holding the text.")] = "text",
@@ -124,9 +128,11 @@ def data_prepare(
 
 @data_app.command("tokenizer")
 def data_tokenizer(
-    source: Annotated[str, typer.Argument(help="Text files (folder, file or glob).", show_default=False)],
+    source: Annotated[str, typer.Argument(help="What `data prepare` reads: text/JSONL/Parquet file, folder or "
+                                         "glob; a datasets folder or hf:NAME[:SPLIT].", show_default=False)],
     out: Annotated[str, typer.Option("--out", help="Where to write tokenizer.json.", show_default=False)],
     vocab_size: Annotated[int, typer.Option(help="Vocabulary size.")] = 4096,
+    text_field: Annotated[str, typer.Option(help="JSONL field / Parquet column holding the text.")] = "text",
 ) -> None:
     """Train a byte-level BPE tokenizer on a corpus (seconds for a few MB); use it with --tokenizer."""
-    raise typer.Exit(cmd_tokenizer(source, vocab_size, out))
+    raise typer.Exit(cmd_tokenizer(source, vocab_size, out, text_field))

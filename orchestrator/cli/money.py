@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from orchestrator.cli.options import JsonOpt
 from orchestrator.contract.errors import EXIT_JOB_FAILED, EXIT_OK, NotFoundError
-from orchestrator.run.state import StateStore
-from orchestrator.run.sweep import find_orphans, gc_providers, terminate_orphans
+
+if TYPE_CHECKING:  # the state store and the sweep load when a command runs, not for --help or the dry run
+    from orchestrator.run.state import StateStore
 
 
 def _interactive() -> bool:
@@ -27,6 +28,8 @@ def cmd_gc(yes: bool, json_out: bool) -> int:
     terminal. Without a terminal and without --yes it only lists (never waits for input).
     Exit 0 when nothing is left billing that we know of (or listing only), 1 when a terminate
     was not confirmed or a provider could not be listed."""
+    from orchestrator.run.state import StateStore
+    from orchestrator.run.sweep import gc_providers
 
     store = StateStore()
     names = gc_providers(store)
@@ -40,6 +43,8 @@ def cmd_gc(yes: bool, json_out: bool) -> int:
 
 def _gc(store: StateStore, names: list[str], yes: bool, json_out: bool) -> int:
     import typer
+
+    from orchestrator.run.sweep import find_orphans, terminate_orphans
 
     rep = find_orphans(store, names)
     act = bool(rep.orphans) and (yes or (not json_out and _interactive() and typer.confirm(
@@ -130,6 +135,8 @@ def job_cost(store: StateStore, job: dict) -> dict[str, Any]:
 
 def cmd_cost(job: str | None, json_out: bool) -> int:
     import typer
+
+    from orchestrator.run.state import StateStore
 
     store = StateStore()
     if job is not None:

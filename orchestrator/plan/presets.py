@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class MoESpec(BaseModel):
     """Mixture-of-experts feed-forward layers."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     n_experts: int = Field(8, gt=0)
     """Routed experts per MoE layer."""
@@ -45,7 +45,7 @@ class MoESpec(BaseModel):
 class ModelSpec(BaseModel):
     """An explicit GPT shape (or the resolved shape of a preset)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     vocab_size: int = Field(50304, gt=0)
     """Vocabulary size (GPT-2's 50257 rounded up to a multiple of 64)."""

@@ -30,7 +30,10 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$")
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+    # The docstring under each field is its documentation; `dtrun schema` reads it (field_docs),
+    # not pydantic at class creation (use_attribute_docstrings parses every class's source: ~20 ms
+    # of each dry run, for a schema only `dtrun schema` prints).
+    model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
 class Resources(_Model):
@@ -555,17 +558,24 @@ def load_spec(path: str | Path) -> JobSpec:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise SpecError(f"{p}: cannot read: {e}") from None
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it: the dry run's parse
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{p}:{mark.line + 1}" if mark else str(p)
         problem = getattr(e, "problem", None) or str(e)
         raise SpecError(f"{where}: invalid YAML: {problem}") from None
-    spec = anchor_paths(parse_spec(data, str(p), root), p.resolve().parent)
+    if isinstance(data, dict):
+        try:
+            spec = JobSpec.model_validate(data)
+        except ValidationError as e:  # the node tree (line numbers) only for a message
+            raise SpecError(format_validation_error(e, str(p), yaml.compose(text, Loader=loader))) from None
+    else:
+        spec = parse_spec(data, str(p))  # (raises: not a mapping)
+    spec = anchor_paths(spec, p.resolve().parent)
     if spec.command is not None and not Path(spec.command.code).is_dir():
-        line = _yaml_line(root, ("command", "code"))
+        line = _yaml_line(yaml.compose(text, Loader=loader), ("command", "code"))
         raise SpecError(f"{p}{':' + str(line) if line else ''}: command.code: {spec.command.code} is not a folder")
     return spec
 
@@ -595,5 +605,34 @@ def spec_to_yaml(spec: JobSpec) -> str:
     return yaml.safe_dump(json.loads(spec.model_dump_json(exclude_none=True)), sort_keys=False)
 
 
+def field_docs(module: Any) -> dict[str, dict[str, str]]:
+    """{class: {field: the docstring under it}} for the classes of ``module`` (what pydantic's
+    ``use_attribute_docstrings`` would read)."""
+    import ast
+    import inspect
+
+    out: dict[str, dict[str, str]] = {}
+    for node in ast.parse(inspect.getsource(module)).body:
+        if isinstance(node, ast.ClassDef):
+            docs = out[node.name] = {}
+            for a, b in zip(node.body, node.body[1:]):
+                if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                        and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
+                    docs[a.target.id] = inspect.cleandoc(b.value.value)
+    return out
+
+
 def json_schema() -> dict[str, Any]:
-    return JobSpec.model_json_schema()
+    """The job file's JSON schema, each field described by its docstring (editor completion)."""
+    import sys
+
+    from orchestrator.plan import presets
+
+    schema = JobSpec.model_json_schema()
+    defs = schema.get("$defs", {})
+    for name, docs in {**field_docs(presets), **field_docs(sys.modules[__name__])}.items():
+        props = (schema if name == JobSpec.__name__ else defs.get(name, {})).get("properties", {})
+        for f, doc in docs.items():
+            if f in props:
+                props[f].setdefault("description", doc)
+    return schema

@@ -15,7 +15,7 @@ from orchestrator.contract.errors import SpecError
 def check_data_vocab(spec, source: str = "job", remote: bool = True) -> None:
     """``remote=False`` (the dry run, which must stay fast and import no storage SDK) checks only
     a manifest on this machine's disk; ``dtrun up`` reads it wherever it is."""
-    from trainer.prepare import read_manifest
+    from trainer.manifest import read_manifest
 
     t = spec.trainer
     if t is None:  # a command job: its data is its own business

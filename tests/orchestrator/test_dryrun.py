@@ -4,6 +4,7 @@ the budget verdict and its exit codes, catalog overrides, and no heavy imports o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -193,3 +194,37 @@ def test_dry_run_refuses_a_local_run_uri_for_rented_nodes(capsys, tmp_path):
     err = capsys.readouterr().err
     assert rc == 2
     assert "checkpoint.uri" in err and "s3://" in err
+
+
+DRY_RUN_PROBE = (
+    "import sys; from orchestrator.cli.app import main; rc = main({argv!r}); "
+    "from pydantic.plugin import _loader; "
+    "print('LOADED', sorted(m for m in ('numpy', 'click', 'trainer.prepare', 'orchestrator.run.sweep') "
+    "if m in sys.modules), 'PLUGINS', _loader._plugins, file=sys.stderr); "
+    "sys.exit(rc)")
+
+
+def test_the_dry_run_keeps_off_what_it_does_not_use():
+    """What the dry run paid for without using it (issue 23: 0.27× of `import sky`, back to ≤ 0.15×):
+    numpy through the data manifest check, click besides typer's own copy, the orphan sweep, and
+    pydantic's scan of every package's entry points for plugins. (benchmarks/bench_cli_startup.py
+    measures the time.)"""
+    p = subprocess.run([sys.executable, "-c", DRY_RUN_PROBE.format(argv=["up", str(GPT2), "--dry-run"])],
+                       capture_output=True, text=True, cwd=ROOT,
+                       env={k: v for k, v in os.environ.items() if k != "PYDANTIC_DISABLE_PLUGINS"})
+    assert p.returncode in (0, 5), p.stderr
+    assert "LOADED [] PLUGINS None" in p.stderr, p.stderr[-2000:]
+
+
+def test_the_schema_describes_every_documented_field():
+    """Field docstrings reach `dtrun schema` without pydantic parsing them on every import."""
+    from orchestrator.plan import presets, spec
+
+    schema = spec.json_schema()
+    for name, docs in {**spec.field_docs(presets), **spec.field_docs(spec)}.items():
+        props = (schema if name == "JobSpec" else schema["$defs"].get(name, {})).get("properties", {})
+        for field in docs:
+            if field in props:
+                assert props[field].get("description"), (name, field)
+    assert schema["$defs"]["ModelSpec"]["properties"]["vocab_size"]["description"]
+    assert schema["$defs"]["Trainer"]["properties"]["parallel"]["description"]

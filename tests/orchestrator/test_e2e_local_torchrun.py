@@ -23,6 +23,8 @@ from orchestrator.run.controller import Controller
 from orchestrator.plan.spec import parse_spec
 from orchestrator.run.state import StateStore
 
+pytestmark = pytest.mark.slow  # real torchrun
+
 REPO = Path(__file__).resolve().parents[2]
 
 

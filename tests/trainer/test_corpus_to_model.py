@@ -5,7 +5,8 @@ prepare → train (2 ranks, FSDP2 over gloo, validation every 4 steps, TensorBoa
 SIGTERM mid-run (exit 75, emergency checkpoint) → resume to DONE → the validation loss in DONE
 equals one recomputed here from the final checkpoint → ``dtrun weights --format hf`` loads as
 ``LlamaForCausalLM`` and its logits equal dtrun's (fp32, max |Δ| < 1e-4) → ``--format
-safetensors`` round-trips exactly → ``dtrun sample`` prints text. A second test exports the
+safetensors`` round-trips exactly → ``dtrun sample`` prints text, and its greedy continuation is
+transformers' ``generate()`` on the exported folder. A second test exports the
 classic GPT-2 shape as ``GPT2LMHeadModel`` (learned positions, biases, fused c_attn).
 """
 
@@ -112,21 +113,39 @@ def test_corpus_to_transformers_model_on_s3(trainer, tmp_path, s3_bucket, capsys
         a, b = m(ids), hf(ids).logits
     assert (a - b).abs().max().item() < LOGIT_TOL
 
+    # an older checkpoint than the newest: 8, or the emergency one when SIGTERM landed after
+    # step 8 (a busy machine) and keep: 2 removed 8
+    kept = [k for k in runuri.checkpoint_steps(run_uri) if runuri.committed(run_uri, k)]
+    older = max(k for k in kept if k < 12)
     st_dir = tmp_path / "st"
-    assert dtrun(["weights", str(job), "--out", str(st_dir), "--step", "8"]) == 0
+    assert dtrun(["weights", str(job), "--out", str(st_dir), "--step", str(older)]) == 0
     from trainer.export import load_dtrun
 
-    m8, _ = load_model_from_checkpoint(run_uri, spec.trainer.model_spec, step=8)
+    m8, _ = load_model_from_checkpoint(run_uri, spec.trainer.model_spec, step=older)
     mst = load_dtrun(str(st_dir))
     for (k, v), (k2, v2) in zip(m8.state_dict().items(), mst.state_dict().items()):
         assert k == k2 and torch.equal(v, v2), k
-    assert dtrun(["weights", str(job), "--out", str(tmp_path / "x"), "--step", "5"]) == 2
-    assert "no COMMITTED checkpoint at step 5" in capsys.readouterr().err
+    gone = min(k for k in range(1, 12) if k not in kept)
+    assert dtrun(["weights", str(job), "--out", str(tmp_path / "x"), "--step", str(gone)]) == 2
+    assert f"no COMMITTED checkpoint at step {gone}" in capsys.readouterr().err
 
     capsys.readouterr()
     assert dtrun(["sample", str(job), "--prompt", "the model", "--tokens", "12", "-n", "2"]) == 0
     printed = capsys.readouterr().out
     assert printed.count("--- sample") == 2 and "the model" in printed
+
+    # `sample` and the exported folder agree: the same context (<|endoftext|> then the prompt) and
+    # the same greedy continuation through transformers' own tokenizer and generate()
+    prompt = "the model reads"
+    assert dtrun(["sample", str(job), "--prompt", prompt, "--tokens", "16", "-n", "1", "--temperature", "0"]) == 0
+    ours = capsys.readouterr().out.split("---\n", 1)[1][:-1]  # (less print's newline)
+    enc = hftok(prompt, return_tensors="pt")
+    assert enc["input_ids"][0, 0].item() == hftok.eos_token_id == 0
+    with torch.no_grad():
+        gen = hf.generate(**enc, do_sample=False, max_new_tokens=16, pad_token_id=hftok.eos_token_id)
+    new = gen[0, enc["input_ids"].shape[1]:]
+    assert new[0].item() != hftok.eos_token_id  # (sample continues past a leading end-of-text; generate stops)
+    assert ours == prompt + hftok.decode(new, skip_special_tokens=True)
 
 
 def test_gpt2_shape_exports_as_gpt2(trainer, tmp_path):

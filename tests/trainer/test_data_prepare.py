@@ -266,3 +266,93 @@ def test_validation_data_with_a_larger_vocabulary_is_refused_before_renting(corp
     rc = dtrun(["up", str(job), "--dry-run"])
     err = capsys.readouterr().err
     assert rc == 2 and "vocab_size 256 is smaller than" in err and "300" in err and "nothing rented" in err, err
+
+
+def test_default_validation_split_is_a_tenth_of_a_small_corpus(corpus, tmp_path, capsys):
+    """A 50k-token corpus prepares without --val-tokens (it stopped at 1,000,000 before, issue 23)."""
+    out = tmp_path / "out"
+    rc = dtrun(["data", "prepare", str(corpus["src"]), "--out", str(out), "--tokenizer", corpus["tok"],
+                "--shard-tokens", "4000", "--workers", "1", "-q"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    m = json.loads((out / MANIFEST).read_text())
+    total = m["train"]["tokens"] + m["val"]["tokens"]
+    assert total == len(_expected_stream(corpus))
+    assert m["val"]["tokens"] == m["val_tokens"] == total // 10 > 0
+    assert "a tenth of the corpus, at most 1,000,000" in printed
+    # the split is still the start of the stream: validation first, then training, in source order
+    names = [s["name"] for s in m["val"]["shards"]] + [s["name"] for s in m["train"]["shards"]]
+    assert np.array_equal(_read_all(out, names), _expected_stream(corpus))
+
+
+def test_default_validation_split_is_capped(corpus, tmp_path, monkeypatch):
+    """Above VAL_FRACTION × the cap the split is the cap, decided while reading (not at the end)."""
+    import trainer.prepare as tp
+
+    monkeypatch.setattr(tp, "VAL_TOKENS_CAP", 700)  # stands in for 1M: the corpus holds > 10 × 700 tokens
+    assert tp.auto_val_tokens(10 ** 9) == 700 and tp.auto_val_tokens(5000) == 500
+    monkeypatch.setenv(UNIT_BYTES_ENV, "8192")
+    m = prepare(str(corpus["src"]), str(tmp_path / "out"), tokenizer=corpus["tok"], shard_tokens=2500, workers=1)
+    assert m["val"]["tokens"] == m["val_tokens"] == 700
+    assert m["train"]["tokens"] + 700 == len(_expected_stream(corpus))
+
+
+def test_interrupted_prepare_with_the_default_split_resumes_to_the_same_bytes(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv(UNIT_BYTES_ENV, "8192")
+    args = [str(corpus["src"]), "--tokenizer", corpus["tok"], "--shard-tokens", "2500", "--workers", "1", "-q"]
+    clean = tmp_path / "clean"
+    assert _prepare_cli(args + ["--out", str(clean)]).returncode == 0
+    out = tmp_path / "resumed"
+    assert _prepare_cli(args + ["--out", str(out)], env={STOP_ENV: "2"}).returncode == EXIT_DEBUG_STOP
+    assert json.loads((out / STATE).read_text())["val_tokens"] > 0  # the resolved split is kept for the rerun
+    assert _prepare_cli(args + ["--out", str(out)]).returncode == 0
+    assert sorted(os.listdir(out)) == sorted(os.listdir(clean))
+    for name in os.listdir(clean):
+        assert (out / name).read_bytes() == (clean / name).read_bytes(), name
+
+
+def _vocab(path) -> dict:
+    return json.loads(Path(path).read_text())["model"]["vocab"]
+
+
+def test_tokenizer_reads_every_source_prepare_reads(corpus, tmp_path, capsys):
+    """JSONL and Parquet too (it skipped .jsonl and refused a folder of only JSONL before)."""
+    jl = tmp_path / "jl"
+    jl.mkdir()
+    docs = ["zyzzyva quokka " * 30, "quokka zyzzyva " * 30]
+    (jl / "a.jsonl").write_text("\n".join(json.dumps({"body": d}) for d in docs) + "\n")
+    out = tmp_path / "tok.json"
+    assert dtrun(["data", "tokenizer", str(jl), "--out", str(out), "--vocab-size", "300", "--text-field", "body"]) == 0
+    assert "Ġquokka" in _vocab(out) and "Ġzyzzyva" in _vocab(out)
+    # a mixed folder: the JSONL and Parquet documents are learned from as well as the text files
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "t.txt").write_text("plain words " * 50)
+    (mixed / "b.jsonl").write_text(json.dumps({"text": "wombatish " * 50}) + "\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["platypusy " * 50]}), mixed / "c.parquet")
+    out2 = tmp_path / "tok2.json"
+    assert dtrun(["data", "tokenizer", str(mixed), "--out", str(out2), "--vocab-size", "400"]) == 0
+    v = _vocab(out2)
+    assert "Ġwombatish" in v and "Ġplatypusy" in v and "Ġwords" in v
+    capsys.readouterr()
+    # a bad JSONL line is one clear error
+    (jl / "bad.jsonl").write_text("{not json\n")
+    assert dtrun(["data", "tokenizer", str(jl), "--out", str(tmp_path / "t3.json"), "--text-field", "body"]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl" in err and "not JSON" in err and "Traceback" not in err
+
+
+def test_tokenizer_warns_when_the_corpus_supports_a_smaller_vocabulary(tmp_path, capsys):
+    src = tmp_path / "small.txt"
+    src.write_text("the cat sat on the mat. " * 40)
+    out = tmp_path / "tok.json"
+    assert dtrun(["data", "tokenizer", str(src), "--out", str(out), "--vocab-size", "8192"]) == 0
+    cap = capsys.readouterr()
+    n = len(_vocab(out))
+    assert n < 8192 and f"vocabulary {n:,}" in cap.out
+    assert "warning" in cap.err and "8,192" in cap.err and f"only {n:,}" in cap.err
+    assert dtrun(["data", "tokenizer", str(src), "--out", str(out), "--vocab-size", str(n)]) == 0
+    assert "warning" not in capsys.readouterr().err

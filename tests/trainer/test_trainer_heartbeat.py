@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from conftest import wait_for
 
 from orchestrator.contract import runuri
@@ -46,6 +48,7 @@ class Sampler:
         return self.seen
 
 
+@pytest.mark.slow
 def test_heartbeat_advances_through_a_slow_load_and_first_step_under_torchrun(trainer, tmp_path):
     uri = f"file://{tmp_path}/run"
     job = trainer.job("hb", nproc=2, run_uri=uri, steps=3, every=2)  # heartbeat_seconds 0.2
