@@ -199,7 +199,7 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
                  if n_fit else "Offers (cheapest expected cost first); NONE fits memory")
         if plan.locked:
             title += ("; * needs credentials (all)" if not plan.offers
-                      else f"; * needs credentials ({len(plan.locked)}, below the line)")
+                      else f"; * needs credentials (the last {len(plan.locked)})")
         # Fits 100 columns: the price source, often a long sentence, is a numbered footnote.
         t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
                   collapse_padding=True, show_edge=False)
