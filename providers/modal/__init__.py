@@ -60,7 +60,8 @@ from providers.modal.api import (DEFAULT_GPU_WAIT, BuildFailed, Cancelled, Deadl
                                  SandboxRecord, SandboxResult, SandboxSpec)
 
 MAX_TIMEOUT = 24 * 3600
-DEFAULT_TIMEOUT = 24 * 3600
+"""Modal's cap on a sandbox's timeout (``DTRUN_MODAL_MAX_TIMEOUT_SECONDS`` lowers it: shorter
+sandboxes, planned restarts sooner)."""
 RESTART_GRACE = 20 * 60
 """Seconds before the sandbox's own timeout at which the node stops for a planned restart: the
 checkpoint (STOP, then SIGTERM/SIGKILL graces) must fit, and the scheduling wait if Modal counts the
@@ -92,6 +93,21 @@ _RESULT_STATES = {
     "timeout": (NodeState.PREEMPTED, "the sandbox reached its timeout"),
     "idle_timeout": (NodeState.PREEMPTED, "the sandbox reached its idle timeout"),
 }
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment (``default`` when unset); a bad value is
+    one clear error naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return float(default)
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if v <= 0:
+        raise perr.NotSupported(f"{name}={raw!r}: expected a positive number of seconds", provider="modal")
+    return v
 
 
 def _names(e: BaseException) -> set[str]:
@@ -179,14 +195,16 @@ class ModalProvider(Provider):
 
     def __init__(self, api: ModalAPI | None = None, *, home: str | os.PathLike[str] | None = None,
                  confirm_wait_seconds: float = 10.0, gpu_wait_seconds: float | None = None,
-                 restart_grace_seconds: float = RESTART_GRACE) -> None:
+                 restart_grace_seconds: float | None = None, max_timeout_seconds: float | None = None) -> None:
         self.api = api if api is not None else ModalAPI()
         self._home = Path(home) if home is not None else None
         self.confirm_wait_seconds = confirm_wait_seconds
-        env_wait = os.environ.get("DTRUN_MODAL_GPU_WAIT_SECONDS", "").strip()
         self.gpu_wait_seconds = (gpu_wait_seconds if gpu_wait_seconds is not None
-                                 else float(env_wait) if env_wait else float(DEFAULT_GPU_WAIT))
-        self.restart_grace_seconds = restart_grace_seconds
+                                 else _env_seconds("DTRUN_MODAL_GPU_WAIT_SECONDS", DEFAULT_GPU_WAIT))
+        self.restart_grace_seconds = (restart_grace_seconds if restart_grace_seconds is not None
+                                      else _env_seconds("DTRUN_MODAL_RESTART_GRACE_SECONDS", RESTART_GRACE))
+        self.max_timeout_seconds = int(max_timeout_seconds if max_timeout_seconds is not None
+                                       else _env_seconds("DTRUN_MODAL_MAX_TIMEOUT_SECONDS", MAX_TIMEOUT))
 
     @property
     def _memo_path(self) -> Path:
@@ -235,13 +253,13 @@ class ModalProvider(Provider):
     def sandbox_spec(self, request: LaunchRequest, now: float | None = None) -> SandboxSpec:
         offer = request.offer
         now = time.time() if now is None else now
-        timeout = DEFAULT_TIMEOUT
+        timeout = self.max_timeout_seconds
         if request.deadline is not None:
             timeout = int(request.deadline - now)
             if timeout <= 0:
                 raise perr.NotSupported(f"{request.instance_name}: the hard deadline has already passed",
                                         provider="modal")
-        timeout = min(MAX_TIMEOUT, timeout)
+        timeout = min(self.max_timeout_seconds, timeout)
         env = {k: str(v) for k, v in request.env.items()}
         env.setdefault("DTRUN_JOB", request.job)
         env.setdefault("DTRUN_ATTEMPT", str(request.attempt))

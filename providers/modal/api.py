@@ -21,7 +21,6 @@ import os
 import threading
 import time
 import warnings
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -46,6 +45,10 @@ RESULT_STATUS = {0: "running", 1: "success", 2: "failure", 3: "terminated", 4: "
                  9: "thrashing", 10: "oom"}
 
 _sched_lock = threading.Lock()
+
+LOG_READ_SECONDS = 2.0
+"""How long a read of a running sandbox's output waits for what Modal streams."""
+_read_for: Any = None
 
 
 @dataclass(frozen=True)
@@ -312,15 +315,39 @@ class ModalAPI:
             out.append(SandboxRecord(sb.object_id, t.get("dtrun_name", ""), t))
         return out
 
-    def logs(self, sandbox_id: str, tail: int) -> str:
-        """The sandbox's stdout and stderr (once it has finished: reading blocks until EOF)."""
+    def logs(self, sandbox_id: str, tail: int, wait: float = LOG_READ_SECONDS) -> str:
+        """The sandbox's stdout and stderr: all of it once it has finished (read to EOF); while it
+        runs, what Modal streams within ``wait`` seconds (the SDK's own read blocks until EOF)."""
         import modal
+        from modal._utils.async_utils import synchronizer
 
         sb = modal.Sandbox.from_id(sandbox_id)
         if sb.poll() is None:
-            return ""
-        out, err = sb.stdout.read(), sb.stderr.read()
+            global _read_for
+            if _read_for is None:
+                _read_for = synchronizer.create_blocking(_read_streams_for)
+            out, err = _read_for(synchronizer._translate_in(sb), wait)
+        else:
+            out, err = sb.stdout.read(), sb.stderr.read()
         text = out + ("\n--- stderr ---\n" + err if err else "")
         return "\n".join(text.splitlines()[-tail:])
+
+
+async def _read_streams_for(sb: Any, seconds: float) -> tuple[str, str]:
+    """stdout and stderr of a running sandbox as streamed within ``seconds`` (on the SDK's loop)."""
+    import asyncio
+
+    bufs: tuple[list[str], list[str]] = ([], [])
+
+    async def collect(stream: Any, buf: list[str]) -> None:
+        async for chunk in stream:
+            buf.append(chunk)
+
+    tasks = [asyncio.ensure_future(collect(sb.stdout, bufs[0])), asyncio.ensure_future(collect(sb.stderr, bufs[1]))]
+    _, pending = await asyncio.wait(tasks, timeout=seconds)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return "".join(bufs[0]), "".join(bufs[1])
 
 

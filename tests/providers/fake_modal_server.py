@@ -131,11 +131,12 @@ class FakeModalServicer(ModalClientBase):
         req = await stream.recv_message()
         mid = f"mo-{next(self.s._ids):04d}"
         self.s.mounts[mid] = [f.filename for f in req.files]
+        self.s.mount_files[mid] = list(req.files)  # names, hashes, modes (contents: blobs by hash)
         await stream.send_message(api_pb2.MountGetOrCreateResponse(mount_id=mid))
 
     async def MountPutFile(self, stream) -> None:
         req = await stream.recv_message()
-        if req.data or req.data_blob_id:
+        if not req.data_blob_id:  # inline content (an empty file is b"": stored all the same)
             self.s.blobs[req.sha256_hex] = req.data
         await stream.send_message(api_pb2.MountPutFileResponse(exists=req.sha256_hex in self.s.blobs))
 
@@ -164,7 +165,7 @@ class FakeModalServicer(ModalClientBase):
             s.image_results[image_id] = GS(status=GS.GENERIC_STATUS_FAILURE)
             s.script.build_failure = None
         else:
-            s.build_logs[image_id] = "".join(f"{c}\n" for c in req.image.dockerfile_commands)
+            s.record_image(image_id, req.image)
             s.image_results[image_id] = GS(status=GS.GENERIC_STATUS_SUCCESS)
         s.builds.append(image_id)
         await stream.send_message(api_pb2.ImageGetOrCreateResponse(image_id=image_id))
@@ -298,11 +299,14 @@ class FakeModal:
 
     Use as a context manager; ``url`` goes into ``MODAL_SERVER_URL``."""
 
+    servicer_class: type = FakeModalServicer
+
     def __init__(self) -> None:
         self.script = Script()
         self.apps: dict[str, str] = {}
         self.secrets: dict[str, dict[str, str]] = {}
         self.mounts: dict[str, list[str]] = {}
+        self.mount_files: dict[str, list[Any]] = {}
         self.blobs: dict[str, bytes] = {}
         self.images: dict[bytes, str] = {}
         self.image_defs: dict[str, Any] = {}
@@ -325,12 +329,16 @@ class FakeModal:
         """Forget every app, image and sandbox (a fresh account), keeping the server up."""
         def f() -> None:
             self.script = Script()
-            for d in (self.apps, self.secrets, self.mounts, self.blobs, self.images, self.image_defs,
+            for d in (self.apps, self.secrets, self.mounts, self.mount_files, self.blobs, self.images, self.image_defs,
                       self.image_results, self.build_logs, self.sandboxes):
                 d.clear()
             for lst in (self.builds, self.terminated, self.list_requests, self.calls):
                 lst.clear()
         self._on_loop(f)
+
+    def record_image(self, image_id: str, image: Any) -> None:
+        """The build log of a new image: its Dockerfile commands, one a line."""
+        self.build_logs[image_id] = "".join(f"{c}\n" for c in image.dockerfile_commands)
 
     def now(self) -> float:
         self._t += 1.0  # strictly increasing creation times (list pages by them)
@@ -341,14 +349,14 @@ class FakeModal:
         return f"http://127.0.0.1:{self.port}"
 
     # --- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "FakeModal":
+    def start(self, host: str = "127.0.0.1") -> "FakeModal":
         ready = threading.Event()
 
         def run() -> None:
             loop = asyncio.new_event_loop()
             self._loop = loop
             asyncio.set_event_loop(loop)
-            self._server = grpclib.server.Server([FakeModalServicer(self)])
+            self._server = grpclib.server.Server([self.servicer_class(self)])
             factory = self._server._protocol_factory
 
             def track():  # every client connection, so a test can drop them all
@@ -356,7 +364,7 @@ class FakeModal:
                 self._protocols.append(proto)
                 return proto
             self._server._protocol_factory = track
-            loop.run_until_complete(self._server.start("127.0.0.1", self.port))
+            loop.run_until_complete(self._server.start(host, self.port))
             self.port = self._server._server.sockets[0].getsockname()[1]
             ready.set()
             loop.run_forever()

@@ -240,6 +240,18 @@ def test_logs_are_the_sandboxes_stdout_and_stderr(modal):
     assert "step 1 loss 3.2" in text and "Traceback: boom" in text
 
 
+def test_a_running_sandboxes_output_is_readable_while_it_runs(modal):
+    # `dtrun logs -f` polls this while the node trains: it read nothing until the sandbox ended
+    # (the SDK's read blocks to EOF), found running the node for real in the Modal lab
+    server, p = modal
+    h = p.launch(_req())
+    server.write_output(h.instance_id, stdout="step 3 loss 4.1\n", stderr="[dtrun-node] exec: torchrun\n")
+    assert p.poll(h) is NodeState.RUNNING
+    text = p.logs(h)
+    assert "step 3 loss 4.1" in text and "[dtrun-node] exec: torchrun" in text
+    assert p.poll(h) is NodeState.RUNNING
+
+
 # ---- a create in flight (the controller runs launch off its loop) --------------------------------
 
 @pytest.mark.timeout(120)
