@@ -324,3 +324,14 @@ def test_a_cancel_during_the_image_build_creates_nothing(modal, tmp_path):
     assert not t.is_alive()
     assert "handle" not in out and "cancelled" in str(out["error"])
     assert server.sandboxes == {}  # no sandbox was ever created
+
+
+def test_the_sandbox_cap_and_restart_grace_are_settings(monkeypatch, tmp_path):
+    monkeypatch.setenv("DTRUN_MODAL_MAX_TIMEOUT_SECONDS", "290")
+    monkeypatch.setenv("DTRUN_MODAL_RESTART_GRACE_SECONDS", "20")
+    spec = ModalProvider(ModalAPI(), home=tmp_path).sandbox_spec(_req())
+    assert spec.timeout == 290
+    assert spec.env["DTRUN_NODE_TIMEOUT_SECONDS"] == "290" and spec.env["DTRUN_RESTART_GRACE_SECONDS"] == "20"
+    monkeypatch.setenv("DTRUN_MODAL_MAX_TIMEOUT_SECONDS", "soon")
+    with pytest.raises(perr.NotSupported, match="DTRUN_MODAL_MAX_TIMEOUT_SECONDS='soon'"):
+        ModalProvider(ModalAPI(), home=tmp_path)
