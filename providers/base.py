@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from orchestrator.contract.runuri import EXIT_PREEMPTED, EXIT_WATCHDOG
 
@@ -158,6 +158,11 @@ class LaunchRequest:
     Remote providers hand it to their SDK's secret mechanism (SkyPilot task ``secrets``, a Modal
     ``Secret``); nodes on this machine (local, fake) get nothing here: they inherit the process
     environment."""
+    on_progress: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False, compare=False)
+    """Called from the launching thread as a long launch moves on, with where it is: Modal's image
+    build ``{"phase": "image", "layer": k, "layers": n, "label": what the layer adds, "since": unix
+    time it started, "line": the build's newest log line}``. Providers with nothing to say never
+    call it; it must not block."""
 
     @property
     def instance_name(self) -> str:
@@ -246,6 +251,11 @@ class Provider(ABC):
 
     def logs(self, handle: Handle, tail: int = 200) -> str:
         return ""
+
+    def end_reason(self, handle: Handle) -> str | None:
+        """Why a finished instance ended, in the provider's words, when it says more than the
+        state does (Modal: evicted, OOM-killed, timed out). Default: None."""
+        return None
 
     def check_credentials(self) -> None:
         """Raise AuthError naming what to set if credentials are missing. Default: none needed."""

@@ -32,13 +32,36 @@ def snapshot(store: StateStore, name: str) -> dict[str, Any]:
         "cost": store.spend_total(name), "budget": job.get("budget_usd"),
         "attempts": len([a for a in atts if a["n"] >= first]), "attempt": atts[-1]["n"] if atts else None,
         "committed": job.get("last_committed_step"), "steps_lost": job.get("steps_lost") or 0,
+        "build": _building(store, name, job, atts),
     }
+
+
+def _building(store: StateStore, name: str, job: dict[str, Any], atts: list[dict]) -> dict[str, Any] | None:
+    """The image layer the current attempt's launch is building (its newest ``build`` event), while
+    the job is PROVISIONING; None otherwise."""
+    if job.get("state") != "PROVISIONING" or not atts:
+        return None
+    for e in reversed(store.events(name, limit=20)):
+        d = e.get("data") or {}
+        if e["type"] == "build" and d.get("attempt") == atts[-1]["n"]:
+            return d
+    return None
+
+
+def build_line(b: dict[str, Any], now: float | None = None) -> str:
+    """``building image: layer 2 of 5 (torch), 37 s elapsed`` (elapsed in this layer)."""
+    now = time.time() if now is None else now
+    since = b.get("since")
+    took = f", {max(0.0, now - since):.0f} s elapsed" if since else ""
+    return f"building image: layer {b.get('layer')} of {b.get('layers')} ({b.get('label')}){took}"
 
 
 def progress_line(s: dict[str, Any]) -> str:
     step = s["step"] if s["step"] is not None else 0
     steps = s["steps"] or 0
     parts = [f"{s['state']}", f"step {step}/{steps}"]
+    if s.get("build"):
+        parts = [f"{s['state']}", build_line(s["build"])]
     if s["loss"] is not None:
         parts.append(f"loss {s['loss']:.4f}")
     if s.get("val_loss") is not None:
@@ -76,7 +99,7 @@ class PlainView:
     def update(self, ctl: Any = None) -> None:
         now = time.monotonic()
         s = snapshot(self.store, self.name)
-        if s["step"] != self._last_step and now - self._last_line >= self.every_s:
+        if (s["step"] != self._last_step or s.get("build")) and now - self._last_line >= self.every_s:
             self._last_line, self._last_step = now, s["step"]
             self.line(progress_line(s))
 
@@ -121,6 +144,8 @@ class RichView:
         if s["steps_lost"]:
             metrics.append(f"   steps lost {s['steps_lost']}")
         ev = Text("\n".join(self.events[-5:] + [f"report: dtrun report {self.name}"]), style="dim")
+        if s.get("build"):
+            return Group(head, Text(build_line(s["build"]), style="cyan"), self.progress, metrics, ev)
         return Group(head, self.progress, metrics, ev)
 
     def __enter__(self) -> "RichView":

@@ -32,6 +32,7 @@ it gone); ``TerminateNotConfirmed`` and ``Transient`` are retried every tick unt
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -133,7 +134,7 @@ class LaunchInFlight:
     def __init__(self, provider: Provider, request: LaunchRequest, price_per_hour: float, t0: float,
                  clock: Callable[[], float] | None = None) -> None:
         self.provider = provider
-        self.request = request
+        self.request = dataclasses.replace(request, on_progress=self._report)
         self.n = request.attempt
         self.offer = request.offer
         self.price_per_hour = price_per_hour
@@ -157,6 +158,9 @@ class LaunchInFlight:
         self.ended_at: float | None = None
         self.booked = False
         self.booked_until: float | None = None
+        self._progress: dict[str, Any] | None = None
+        self.shown_layer: tuple[int, int] | None = None
+        """The image layer last shown as a ``build`` event (the controller's loop only)."""
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=f"dtrun-launch-{request.instance_name}",
                                        daemon=True)
@@ -165,6 +169,15 @@ class LaunchInFlight:
     def start(self) -> "LaunchInFlight":
         self.thread.start()
         return self
+
+    def _report(self, where: dict[str, Any]) -> None:
+        with self._lock:
+            self._progress = dict(where)
+
+    def progress(self) -> dict[str, Any] | None:
+        """Where the launch says it is (``LaunchRequest.on_progress``), newest first; None if silent."""
+        with self._lock:
+            return dict(self._progress) if self._progress is not None else None
 
     def _now(self) -> float:
         import time as _time
@@ -766,9 +779,24 @@ class Controller:
         if inf.done.is_set():
             self._launch_finished()
             return
+        self._show_build(inf)
         if self._check_recovery_time(now):
             return
         self._guard(now, running=False)
+
+    def _show_build(self, inf: LaunchInFlight) -> None:
+        """A ``build`` event when the launch's image build reaches a new layer (the live view
+        shows "building image: layer k of n, elapsed" from the newest one)."""
+        p = inf.progress()
+        if not p or p.get("phase") != "image":
+            return
+        at = (int(p.get("layer") or 0), int(p.get("layers") or 0))
+        if at == inf.shown_layer:
+            return
+        inf.shown_layer = at
+        self.event("build", f"attempt {inf.n}: building image: layer {at[0]} of {at[1]} ({p.get('label')})",
+                   {"attempt": inf.n, "layer": at[0], "layers": at[1], "label": p.get("label"),
+                    "since": p.get("since")})
 
     def _launch_finished(self) -> None:
         """Record the result of the launch that just returned (a node, or why it failed)."""
@@ -1036,7 +1064,21 @@ class Controller:
         if NodeState.TERMINATED in ended:
             self._begin_recovery("lost", f"attempt {n}: the node was terminated outside this controller")
             return
-        self._begin_recovery("preempted", f"attempt {n}: preempted" + (f" (watchdog: {wd})" if wd else ""))
+        why = self._end_reasons(nodes)
+        self._begin_recovery("preempted", f"attempt {n}: preempted" + (f" (watchdog: {wd})" if wd else "")
+                             + (f": {why}" if why else ""))
+
+    def _end_reasons(self, nodes: list[dict]) -> str:
+        """What the providers say ended these nodes (Modal: an eviction), joined; '' if nothing."""
+        out: list[str] = []
+        for nd in nodes:
+            try:
+                why = self.provider(nd["provider"]).end_reason(Handle.from_dict(nd["handle"]))
+            except perr.ProviderError:
+                why = None
+            if why and why not in out:
+                out.append(why)
+        return "; ".join(out)
 
     def _watchdog_reason(self, att: dict) -> str | None:
         try:

@@ -8,7 +8,9 @@ Orphans
     (left alone) when
 
     1. the state store records it as a live node (not confirmed terminated) of a job that is still
-       active (PENDING … STOPPING): a restarted controller re-attaches to it; or
+       active (PENDING … STOPPING) whose controller is alive (or is the caller): a restarted
+       controller re-attaches to it — but a node whose controller died on this host (SIGKILL,
+       reboot) bills with nobody to stop it, and ``dtrun gc`` ends it; or
     2. its job is active and run by a live controller in *another* process, and its attempt is
        still LAUNCHING (that controller may be between "launch returned" and "node recorded").
 
@@ -33,7 +35,7 @@ from typing import Any, Callable, Iterable
 
 from orchestrator.contract.errors import EXIT_JOB_FAILED, EXIT_OK, NotFoundError
 from orchestrator.run.clock import RealClock
-from orchestrator.run.state import ACTIVE_STATES, StateStore
+from orchestrator.run.state import ACTIVE_STATES, HOST, StateStore
 from providers import errors as perr
 from providers.base import NAME_PREFIX, Handle, OwnedInstance, Provider, job_of_instance
 
@@ -83,6 +85,14 @@ def _resolve(entry: str | Provider, providers: dict[str, Provider] | None) -> tu
     return entry, registry.get(entry)
 
 
+def _owner_dead(job: dict) -> bool:
+    """The job's controller ran on this host, is not this process, and is dead (SIGKILLed, the
+    machine rebooted): its nodes bill with nobody to stop them."""
+    pid = job.get("controller_pid")
+    return (bool(pid) and pid != os.getpid() and job.get("controller_host") == HOST
+            and not StateStore.controller_alive(job))
+
+
 def _owner_pid_alive(job: dict) -> bool:
     return bool(job.get("controller_pid")) and job["controller_pid"] != os.getpid() and StateStore.controller_alive(job)
 
@@ -102,6 +112,9 @@ def classify(store: StateStore, provider: str, inst: OwnedInstance) -> tuple[boo
         if nd["provider"] == provider and str(nd["instance_id"]) == str(inst.instance_id):
             if nd["attempt"] < first:
                 return False, job_name, f"left over from an earlier run of {job_name} (attempt {nd['attempt']})"
+            if _owner_dead(job):
+                return False, job_name, (f"live node of {job_name}, whose controller (pid {job['controller_pid']}) "
+                                         f"is gone: nothing watches or stops it (`dtrun up` would re-attach)")
             return True, job_name, "live node of an active job"
     if _owner_pid_alive(job):
         # Another live controller may be between "launch returned" and "node recorded" — but only

@@ -305,19 +305,19 @@ class ModalProvider(Provider):
         self.check_credentials()
         spec = self.sandbox_spec(request)
         self._memo("name:" + spec.name, terminated=False)  # set by a terminate() while this runs
-        h = self._create(spec, offer)
+        h = self._create(spec, offer, request.on_progress)
         if self._memo("name:" + spec.name).get("terminated"):
             # cancelled while the create was in flight (terminate by name found nothing yet)
             self._memo(h.instance_id, terminated=True)
             self.terminate(h)
         return h
 
-    def _create(self, spec: SandboxSpec, offer: Offer) -> Handle:
+    def _create(self, spec: SandboxSpec, offer: Offer, on_progress: Any = None) -> Handle:
         def cancelled() -> bool:
             return bool(self._memo("name:" + spec.name).get("terminated"))
 
         try:
-            sid = self.api.create(spec, should_cancel=cancelled)
+            sid = self.api.create(spec, should_cancel=cancelled, on_progress=on_progress)
         except Exception as e:
             names = _names(e)
             if "AlreadyExistsError" in names:

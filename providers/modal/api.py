@@ -4,7 +4,7 @@ Nothing here runs at import time; ``modal`` is imported inside each method. Reco
 dataclasses so the adapter and its tests share one vocabulary. Tests drive this class through the
 real SDK against a local fake of Modal's gRPC control plane (tests/providers/fake_modal_server.py).
 
-Two reads go below the SDK's public surface, both because the public one drops what dtrun needs:
+Three things go below the SDK's public surface, because the public one drops what dtrun needs:
 
 * a sandbox's **result status** (OOM kill, eviction, timeout, internal failure…): the SDK keeps the
   server's ``GenericResult`` on the sandbox (``_impl.result``) but ``poll()`` returns only an exit
@@ -12,7 +12,10 @@ Two reads go below the SDK's public surface, both because the public one drops w
 * the **GPU wait**: ``Sandbox.create`` waits up to ``_SANDBOX_SCHEDULING_TIMEOUT`` (21 min) for a
   GPU, then terminates the unscheduled sandbox and raises ``ResourceExhaustedError("Insufficient
   capacity…")``. :meth:`ModalAPI.create` sets that module constant to the configured bound so the
-  SDK's own path (terminate + error) runs after dtrun's wait, not 21 minutes.
+  SDK's own path (terminate + error) runs after dtrun's wait, not 21 minutes;
+* the **image build's progress**: which layer is being built (the SDK builds a layer's base layers
+  first, and has no per-layer hook): each layer object's loader is wrapped to say so first
+  (:func:`_announce_layer`), for the live view's "building image: layer k of n".
 """
 
 from __future__ import annotations
@@ -131,13 +134,15 @@ def _is_torch(req: str) -> bool:
     return re.split(r"[<>=!~ \[;]", req.strip(), maxsplit=1)[0].lower() == "torch"
 
 
-def build_image(workdir: str | None, base_image: str | None = None, torch_index: str | None = None) -> Any:
-    """The node image, in layers that change at different rates:
+def image_layers(workdir: str | None, base_image: str | None = None,
+                 torch_index: str | None = None) -> list[tuple[str, Any]]:
+    """The node image as its layers, each ``(what it adds, the image up to it)``; they change at
+    different rates:
 
     1. base (``base_image`` from a registry, or debian-slim + Python 3.11);
     2. torch, from the CUDA build chosen for Modal's driver (``TORCH_INDEX``) — GBs, rarely changes;
     3. the project's other declared dependencies (``pyproject.toml``);
-    4. the code, copied in, installed with ``--no-deps`` (an edit rebuilds only this layer).
+    4. the code, copied in, then installed with ``--no-deps`` (an edit rebuilds only these two).
     """
     import modal
 
@@ -145,18 +150,41 @@ def build_image(workdir: str | None, base_image: str | None = None, torch_index:
         image = modal.Image.from_registry(base_image, add_python="3.11")
     else:
         image = modal.Image.debian_slim(python_version="3.11")
+    layers = [("base", image)]
     if not workdir:
-        return image
+        return layers
     deps = declared_dependencies(workdir)
     torch = [d for d in deps if _is_torch(d)]
     rest = [d for d in deps if not _is_torch(d)]
     if torch:
         index = torch_index or os.environ.get("DTRUN_MODAL_TORCH_INDEX") or TORCH_INDEX
-        image = image.pip_install(*torch, index_url=index)
+        layers.append(("torch", layers[-1][1].pip_install(*torch, index_url=index)))
     if rest:
-        image = image.pip_install(*rest)
-    return image.add_local_dir(workdir, REMOTE_DIR, copy=True, ignore=_IGNORE).run_commands(
-        f"cd {REMOTE_DIR} && python -m pip install -q --no-deps -e .")
+        layers.append(("dependencies", layers[-1][1].pip_install(*rest)))
+    layers.append(("code", layers[-1][1].add_local_dir(workdir, REMOTE_DIR, copy=True, ignore=_IGNORE)))
+    layers.append(("install", layers[-1][1].run_commands(f"cd {REMOTE_DIR} && python -m pip install -q --no-deps -e .")))
+    return layers
+
+
+def build_image(workdir: str | None, base_image: str | None = None, torch_index: str | None = None) -> Any:
+    """The node image (:func:`image_layers`' top layer)."""
+    return image_layers(workdir, base_image, torch_index)[-1][1]
+
+
+def _announce_layer(layer: Any, build_log: "_BuildLog", k: int, n: int, label: str) -> None:
+    """``build_log.layer(k, n, label)`` when the SDK starts loading this layer (its base layers are
+    loaded first, so in order 1…n; a cached layer passes at once). The SDK has no per-layer hook:
+    this wraps the layer object's own loader (``_load``), under the public surface."""
+    from modal._utils.async_utils import synchronizer
+
+    raw = synchronizer._translate_in(layer)
+    load = raw._load
+
+    async def announced(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        build_log.layer(k, n, label)
+        return await load(obj, *args, **kwargs)
+
+    raw._load = announced
 
 
 class Cancelled(Exception):
@@ -164,16 +192,35 @@ class Cancelled(Exception):
 
 
 class _BuildLog:
-    """The image build's streamed log lines, for one create."""
+    """The image build's streamed log lines, for one create, and where the build is: which layer
+    (``layer(k, n, what)`` before each is built), reported to ``on_progress`` with the newest line
+    as ``{"phase": "image", "layer": k, "layers": n, "label": what, "since": unix time, "line": …}``."""
 
-    def __init__(self, on_line: Callable[[str], None] | None) -> None:
+    def __init__(self, on_line: Callable[[str], None] | None,
+                 on_progress: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.lines: list[str] = []
         self.on_line = on_line
+        self.on_progress = on_progress
+        self.where: dict[str, Any] | None = None
+
+    def layer(self, k: int, n: int, label: str) -> None:
+        self.where = {"phase": "image", "layer": k, "layers": n, "label": label, "since": time.time(), "line": ""}
+        self._report()
 
     def add(self, line: str) -> None:
         self.lines.append(line)
         if self.on_line is not None:
             self.on_line(line)
+        if self.where is not None and line.strip():
+            self.where["line"] = line.strip()[:200]
+            self._report()
+
+    def _report(self) -> None:
+        if self.on_progress is not None and self.where is not None:
+            try:
+                self.on_progress(dict(self.where))
+            except Exception:  # noqa: BLE001 - a display hook never fails a launch
+                pass
 
 
 _build_logs: set[_BuildLog] = set()
@@ -222,19 +269,21 @@ class ModalAPI:
         assert self._app_id is not None
         return self._app_id
 
-    def _image(self, spec: SandboxSpec) -> Any:
-        return build_image(spec.workdir, spec.base_image)
+    def _layers(self, spec: SandboxSpec) -> list[tuple[str, Any]]:
+        return image_layers(spec.workdir, spec.base_image)
 
-    def create(self, spec: SandboxSpec, should_cancel: Callable[[], bool] | None = None) -> str:
-        """Build the image, then create the sandbox (unless ``should_cancel()`` says so by then)
-        and wait for its GPU at most ``spec.gpu_wait`` seconds."""
+    def create(self, spec: SandboxSpec, should_cancel: Callable[[], bool] | None = None,
+               on_progress: Callable[[dict[str, Any]], None] | None = None) -> str:
+        """Build the image layer by layer (``on_progress`` hears which, with the build's newest log
+        line), then create the sandbox (unless ``should_cancel()`` says so by then) and wait for
+        its GPU at most ``spec.gpu_wait`` seconds."""
         import modal
         import modal.sandbox._impl_v1 as v1
         from modal.exception import ImageBuildError
 
         app = self._app()
         secrets = [modal.Secret.from_dict(dict(spec.secrets))] if spec.secrets else None
-        build_log = _BuildLog(self.on_build_line)
+        build_log = _BuildLog(self.on_build_line, on_progress)
         with _sched_lock:
             if not hasattr(v1, "_SANDBOX_SCHEDULING_TIMEOUT"):
                 warnings.warn("modal: this SDK has no _SANDBOX_SCHEDULING_TIMEOUT; the GPU wait is Modal's own")
@@ -243,7 +292,10 @@ class ModalAPI:
             _build_logs.add(build_log)
             _install_log_router()
         try:
-            image = self._image(spec)
+            layers = self._layers(spec)
+            for k, (label, layer) in enumerate(layers, 1):  # the live view's "layer k of n"
+                _announce_layer(layer, build_log, k, len(layers), label)
+            image = layers[-1][1]
             image.build(app)  # every layer built (or found cached) before the timeout is fixed
             if should_cancel is not None and should_cancel():
                 raise Cancelled(f"{spec.name}: launch cancelled while the image was building")

@@ -239,24 +239,25 @@ def test_eviction_mid_run_resumes_bit_identical_to_an_uninterrupted_local_run(wo
 @pytest.mark.timeout(900)
 def test_the_sandbox_cap_compressed_is_a_planned_restart_without_lost_steps(world):
     lab = world.lab()
-    # Modal's 24-hour cap made 150 s through the variables the adapter sends (the sandbox's
-    # timeout, DTRUN_NODE_TIMEOUT_SECONDS, DTRUN_RESTART_GRACE_SECONDS): the node's watchdog
-    # stops for a planned restart 180 s of its margins + 20 s of grace before it → at once after start,
-    # so the grace is what matters here.
-    world.env.update(DTRUN_MODAL_MAX_TIMEOUT_SECONDS="290", DTRUN_MODAL_RESTART_GRACE_SECONDS="20")
-    r = world.dtrun("up", str(world.job("mlab-cap", steps=80)), "--yes", timeout=900)
+    # Modal's 24-hour cap made 250 s through the variables the adapter sends (the sandbox's
+    # timeout, DTRUN_NODE_TIMEOUT_SECONDS, DTRUN_RESTART_GRACE_SECONDS): the node's watchdog stops
+    # for a planned restart its margins (2 checks + STOP and SIGTERM graces: 180 s by default)
+    # plus the 10 s grace before that, ~60 s after the node starts — mid-run for 200 steps.
+    world.env.update(DTRUN_MODAL_MAX_TIMEOUT_SECONDS="250", DTRUN_MODAL_RESTART_GRACE_SECONDS="10")
+    r = world.dtrun("up", str(world.job("mlab-cap", steps=200)), "--yes", timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     st = world.state("mlab-cap")
     assert st["state"] == "SUCCEEDED", r.stdout
     atts = world.attempts("mlab-cap")
     outcomes = [a["outcome"] for a in atts]
     assert outcomes[-1] == "succeeded" and len(outcomes) >= 2, atts
+    assert set(outcomes[:-1]) == {"planned_restart"}, atts
     assert st["steps_lost"] == 0
     assert not world.job_row("mlab-cap")["restarts_used"]  # planned restarts are not failures
     sbs = lab.status()
-    assert all(s["timeout"] <= 290 for s in sbs)
+    assert all(s["timeout"] <= 250 for s in sbs)
     assert all(s["state"] != "timeout" for s in sbs)  # dtrun stopped first: Modal never killed one
-    assert _read(f"{world.bucket}/runs/mlab-cap", "DONE")["step"] == 80
+    assert _read(f"{world.bucket}/runs/mlab-cap", "DONE")["step"] == 200
 
 
 @pytest.mark.timeout(900)

@@ -47,7 +47,7 @@ class ModalWorld(FakeModalAPI):
         self.clock = clock
         self.timeouts: list[str] = []      # sandboxes Modal killed at their timeout
 
-    def create(self, spec, should_cancel=None):
+    def create(self, spec, should_cancel=None, on_progress=None):
         sid = super().create(spec)
         env = {**spec.env, "DTRUN_WATCHDOG_SECONDS": "10"}
         sb = self.sandboxes[sid]
@@ -257,3 +257,71 @@ def test_a_modal_node_whose_timeout_is_the_deadline_stops_for_the_deadline_not_a
     while (hit := wd.check(t)) is None and t < deadline:
         t += 10
     assert hit is not None and hit[0] == "deadline", hit
+
+
+def test_an_evicted_modal_sandbox_is_a_preemption_that_says_why(world):
+    # found running the node for real (tests/e2e/test_modal_lab.py): the attempt said only
+    # "preempted"; Modal's result status (eviction) never reached the events or the attempt
+    c, api, store, clock = world["c"], world["api"], world["store"], world["clock"]
+    advance = api._advance
+
+    def evict_first(sid, sb):
+        if sid == "sb-0001" and clock() - sb["start"] > 3 * 3600:
+            api.exits(sid, 137, "eviction")  # the platform took the container back
+            return
+        advance(sid, sb)
+    api._advance = evict_first
+    assert c.run() == "SUCCEEDED"
+    first = store.attempts("long")[0]
+    assert first["outcome"] == "preempted"
+    assert "Modal evicted the sandbox" in first["reason"], first["reason"]
+
+
+@pytest.mark.timeout(120)
+def test_the_live_view_shows_which_image_layer_a_modal_launch_is_building(tmp_path, dtrun_home, monkeypatch):
+    """Through the real modal client and the local fake control plane, each layer's build taking
+    a while: the controller turns the adapter's build progress into `build` events and the live
+    view's line reads "building image: layer k of n (what), N s elapsed"."""
+    import time
+
+    from provider_fakes import modal_server
+
+    from orchestrator.cli.live import progress_line, snapshot
+    from providers.modal.api import ModalAPI
+
+    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-fake")
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-fake")
+    server = modal_server()
+    server.script.build_seconds = 0.4  # per layer
+    provider = ModalProvider(ModalAPI(), home=dtrun_home, confirm_wait_seconds=2.0, gpu_wait_seconds=1.0)
+    spec = parse_spec({
+        "name": "ml",
+        "resources": {"providers": ["modal"], "gpu": "H100", "gpus_per_node": 1, "spot": False},
+        "trainer": {"model": "tiny", "steps": 100, "batch_size": 8, "seq_len": 64},
+        "checkpoint": {"uri": f"file://{tmp_path}/run", "every_steps": 10},
+        "budget": {"max_usd": 100.0},
+        "recovery": {"poll_seconds": 30},
+    })
+    store = StateStore(dtrun_home / "state.db")
+    c = Controller(spec, store, clock=VirtualClock(), providers={"modal": provider},
+                   plan=make_plan(spec, offers=[MODAL]), write_lease=False, launch_wait_seconds=0.05)
+    lines: list[str] = []
+
+    def on_tick(_c):
+        time.sleep(0.1)
+        s = snapshot(store, "ml")
+        if s["build"]:
+            lines.append(progress_line(s))
+        if s["state"] != "PROVISIONING" or (s["build"] or {}).get("layer", 0) >= 3:
+            store.request_action("ml", "stop")
+
+    try:
+        assert c.run(on_tick=on_tick) == "CANCELLED"
+        builds = [e for e in store.events("ml") if e["type"] == "build"]
+        assert builds and builds[0]["message"].startswith("attempt 1: building image: layer 1 of ")
+        n = builds[0]["data"]["layers"]
+        assert n >= 4 and [e["data"]["layer"] for e in builds] == sorted(e["data"]["layer"] for e in builds)
+        assert any(f"building image: layer " in ln and f" of {n} (" in ln and "elapsed" in ln for ln in lines), lines
+    finally:
+        store.close()
+        server.reset()

@@ -195,3 +195,22 @@ def test_gc_as_a_subprocess_never_waits_for_input(shared, dtrun_home):
     assert r.returncode == 0, r.stderr
     assert "dtrun-ghost-a1" in r.stdout
     assert _live(shared) == ["dtrun-ghost-a1"]
+
+
+def test_a_live_node_whose_controller_died_on_this_host_is_an_orphan_for_gc(world):
+    # found running the node for real (tests/e2e/test_modal_lab.py): after a SIGKILLed controller,
+    # `dtrun gc` said "owned by live jobs" and the sandbox billed on with nobody to stop it
+    from orchestrator.run.state import HOST
+
+    clock, cloud, store = world
+    _job(store, "dead")
+    _record(store, "dead", 1, _launch(cloud, "dead", 1), clock.now())
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid no longer alive: the SIGKILLed controller
+    store.update_job("dead", controller_pid=gone.pid, controller_host=HOST)
+    clock.advance(600)
+    rep = find_orphans(store, ["fake"], providers={"fake": cloud}, clock=clock)
+    (o,) = rep.orphans
+    assert o.instance.name == "dtrun-dead-a1" and "controller" in o.why and "gone" in o.why
+    store.update_job("dead", controller_pid=os.getpid())  # the caller is the controller: it re-attaches
+    assert find_orphans(store, ["fake"], providers={"fake": cloud}, clock=clock).orphans == []

@@ -121,7 +121,7 @@ class FakeModalAPI:
         if self.errors.get(op):
             raise self.errors[op].pop(0)
 
-    def create(self, spec: SandboxSpec, should_cancel=None) -> str:
+    def create(self, spec: SandboxSpec, should_cancel=None, on_progress=None) -> str:
         self.calls.append(("create", spec))
         self._maybe_fail("create")
         self.n += 1
