@@ -24,6 +24,20 @@ PY = sys.executable
 LAB = [PY, "-m", "tests.e2e.modal_lab"]
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# The lab emulates no GPUs, and the bundled trainer refuses a GPU spec without CUDA (exit 2:
+# trainer/distenv.py, no silent CPU fallback; Modal sells no CPU offers in dtrun's catalog), so
+# these run the whole path only on a host with CUDA. They passed on CPU (2 gloo ranks) before that
+# refusal landed; tests/e2e/test_modal_lab_sandboxes.py covers the lab's sandboxes without a trainer.
+pytestmark = pytest.mark.skipif(not _cuda(), reason="needs CUDA on the host: the trainer refuses a GPU "
+                                "spec without it, and the Modal lab emulates no GPUs")
+
+
 def _lab_pids(root: Path) -> list[int]:
     """Processes of any lab sandbox (their cwd or environment is under the lab's root)."""
     out = []
