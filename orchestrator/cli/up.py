@@ -235,7 +235,7 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
         head = ("[bold]Chosen:[/]" if plan.chosen else
                 "[bold]Would choose[/] (once its credentials are set; nothing can be rented yet):")
         if is_free(shown):
-            con.print(f"{head} {shown.key()} ({b['gpus']} ranks): {shown.provider}: no price")
+            con.print(f"{head} {shown.key()} ({b['gpus']} rank{'s' if b['gpus'] != 1 else ''}): {shown.provider}: no price")
         else:
             con.print(f"{head} {shown.key()} at ${shown.price_per_gpu_hour:.2f}/GPU-h "
                       f"× {b['gpus']} GPUs = ${b['price_per_hour']:.2f}/h")
@@ -262,7 +262,11 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
                       f" ({'prebuilt image' if su.get('prebuilt_image') else 'installs torch'})"
                       f" + first step {su.get('first_step_minutes', 0):g} + compile {su.get('compile_minutes', 0):g}"
                       " min; figures and sources: providers/data/prices.yaml)")
-            con.print(f"  checkpoints    {_hours(b['checkpoint_hours'])}  (every {b['checkpoint_every_steps']} steps)")
+            if spec.command is not None:  # its saves are inside its own hours; no step count to show
+                con.print(f"  checkpoints    (your script's own, every ~{spec.command.checkpoint_every_minutes:g} min "
+                          "(command.checkpoint_every_minutes); their time is inside the hours above)")
+            else:
+                con.print(f"  checkpoints    {_hours(b['checkpoint_hours'])}  (every {b['checkpoint_every_steps']} steps)")
         if b["preemptions_per_hour"]:
             con.print(f"  preemptions    {_hours(b['preemption_overhead_hours'])}  "
                       f"(~{b['expected_preemptions']:.1f} at {b['preemptions_per_hour']:g}/h: restart + half an interval each)")

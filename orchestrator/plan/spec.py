@@ -574,10 +574,43 @@ def load_spec(path: str | Path) -> JobSpec:
     else:
         spec = parse_spec(data, str(p))  # (raises: not a mapping)
     spec = anchor_paths(spec, p.resolve().parent)
-    if spec.command is not None and not Path(spec.command.code).is_dir():
-        line = _yaml_line(yaml.compose(text, Loader=loader), ("command", "code"))
-        raise SpecError(f"{p}{':' + str(line) if line else ''}: command.code: {spec.command.code} is not a folder")
+    if spec.command is not None:
+        for field, problem in _command_problems(spec.command):
+            line = _yaml_line(yaml.compose(text, Loader=loader), ("command", field))
+            raise SpecError(f"{p}{':' + str(line) if line else ''}: command.{field}: {problem}")
     return spec
+
+
+_PYTHON = re.compile(r"(.*/)?python[0-9.]*")
+
+
+def _command_problems(c: Command) -> list[tuple[str, str]]:
+    """What in a command section (its paths anchored) cannot work on a node, found before renting:
+    the code folder, the requirements file, a ``run`` that torchrun would misread (``python
+    train.py`` under ``torchrun: true``: torchrun takes the script itself), a script not in the
+    code folder, unbalanced quotes. (field, why) pairs, the first one is reported."""
+    import shlex
+
+    code = Path(c.code)
+    if not code.is_dir():
+        return [("code", f"{c.code} is not a folder")]
+    if c.requirements and not (code / c.requirements).is_file():
+        return [("requirements", f"{c.requirements} is not a file in the code folder {code}")]
+    try:
+        words = shlex.split(c.run)
+    except ValueError as e:
+        return [("run", f"cannot split {c.run!r} into words: {e}")]
+    if not words:
+        return [("run", "is empty")]
+    if c.torchrun and _PYTHON.fullmatch(words[0]):
+        return [("run", f"{c.run!r}: under torchrun (command.torchrun: true) give the script as torchrun takes "
+                        f"it ({' '.join(words[1:]) or 'train.py'!s}, or -m pkg.train), without {words[0]!r}; "
+                        "or set command.torchrun: false to run it as given")]
+    script = words[0] if c.torchrun else (words[1] if _PYTHON.fullmatch(words[0]) and len(words) > 1 else None)
+    if (script and script.endswith(".py") and "$" not in script and not Path(script).is_absolute()
+            and not (code / script).is_file()):
+        return [("run", f"{script} is not in the code folder {code} (command.code, relative to the job file)")]
+    return []
 
 
 def anchor_paths(spec: JobSpec, base: str | Path) -> JobSpec:

@@ -172,3 +172,34 @@ def test_weights_and_sample_refuse_a_command_job_exit_2(capsys, tmp_path):
     job = write_job(tmp_path / "j", hours=1)
     assert main(["weights", str(job), "--out", str(tmp_path / "w")]) == 2
     assert "runs your own command" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"run": "python train.py"}, "command.run: 'python train.py': under torchrun"),
+    ({"run": "/usr/bin/python3.11 -u train.py"}, "without '/usr/bin/python3.11'"),
+    ({"run": "missing.py --lr 3e-4"}, "command.run: missing.py is not in the code folder"),
+    ({"run": "python missing.py", "torchrun": False}, "command.run: missing.py is not in the code folder"),
+    ({"run": "train.py 'unclosed"}, "command.run: cannot split"),
+    ({"requirements": "requirements.txt"}, "command.requirements: requirements.txt is not a file in the code folder"),
+])
+def test_a_command_that_cannot_start_on_a_node_is_refused_before_renting(capsys, tmp_path, change, field):
+    job = write_job(tmp_path / "j", hours=1, **change)
+    rc, out, err = dry(capsys, job)
+    assert rc == 2 and out is None
+    assert field in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("change", [
+    {"run": "train.py --lr 3e-4"}, {"run": "-m pkg.train"}, {"run": "python train.py", "torchrun": False},
+    {"run": "bash -c 'python train.py'", "torchrun": False}, {"run": "$DTRUN_CODE_DIR/gen.py"},
+])
+def test_commands_torchrun_or_bash_can_run_pass(capsys, tmp_path, change):
+    rc, out, err = dry(capsys, write_job(tmp_path / "j", hours=1, **change))
+    assert rc == 0, err
+
+
+def test_the_dry_run_names_the_scripts_own_checkpoint_interval_not_steps(capsys, tmp_path):
+    job = write_job(tmp_path / "j", hours=1, checkpoint_every_minutes=20)
+    assert main(["up", str(job), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "every ~20 min (command.checkpoint_every_minutes)" in out and "every 0 steps" not in out
