@@ -26,7 +26,7 @@ and training goes on; the next interval tries again.
 The emergency save at a preemption notice is bounded (:func:`emergency_plan`, ``NOTICE_S``): it
 waits for an in-flight upload only as long as the notice allows and abandons it otherwise, then
 saves the current step on its own process group only if a whole save (as last measured) still
-fits.
+fits. ``MAX_FAILED_SAVES`` failed saves in a row stop the run (exit 1).
 
 Resume takes the newest COMMITTED step; partial folders (no COMMITTED) are ignored (and removed
 at start-up when newer than it). A checkpoint whose model keys or shapes differ from the model
@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from orchestrator.contract import runuri
-from trainer.errors import CheckpointUnavailable, ConfigError
+from trainer.errors import CheckpointUnavailable, ConfigError, SavesFailing
 
 log = logging.getLogger("trainer.checkpoint")
 
@@ -132,6 +132,11 @@ multipart upload, so a rank's state goes up as this many concurrent streams, not
 NOTICE_S = float(os.environ.get("DTRUN_PREEMPTION_NOTICE_S", "30"))
 """The preemption notice the emergency save must fit (GCP and Azure give 30 s, AWS 120 s). Also
 the collective timeout of the emergency group: a peer that vanishes mid-save ends it then."""
+
+MAX_FAILED_SAVES = 3
+"""Checkpoint saves in a row that may fail (storage errors after s3fs's retries and the sync
+save's own retry) before the run stops with exit 1 (the controller restarts it, counted against
+``recovery.max_restarts_on_errors``): training on without a COMMITTED checkpoint is not training."""
 
 HARD_EXIT_MARGIN_S = 5.0
 """At a notice the trainer exits 75 at the latest ``NOTICE_S`` + this after the SIGTERM, whatever
@@ -206,6 +211,7 @@ class CheckpointManager:
         self.stall_s: list[float] = []  # loop stall per save (staging for async; whole save for sync)
         self.upload_s: list[float] = []  # whole save durations (start → every rank's data written)
         self.abandoned: int | None = None  # step of an upload left behind at a notice
+        self.failed_saves = 0  # in a row; MAX_FAILED_SAVES stops the run
         self._stager = _stager(pinned=pinned)
         # Rank 0 writes COMMITTED and applies retention here, off the training loop.
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtrun-commit")
@@ -253,8 +259,8 @@ class CheckpointManager:
             if ok:
                 self.upload_s.append(time.perf_counter() - t0)
                 self._committed_here(step, meta, wait=True)
-            else:
-                log.warning("checkpoint step %d NOT committed; training continues", step)
+            elif not emergency:
+                self._failed(step, "the save failed twice")
             return
         try:
             fut = dcp.async_save(sd, storage_writer=_writer(uri), process_group=self.pg,
@@ -264,8 +270,7 @@ class CheckpointManager:
                 fut = fut.upload_completion
         except _ERRORS as e:  # noqa: BLE001 - e.g. the storage refused the folder
             self.stall_s.append(time.perf_counter() - t0)
-            log.warning("checkpoint step %d: async save failed (%s); NOT committed, training continues",
-                        step, _short(e))
+            self._failed(step, f"async save failed ({_short(e)})")
             return
         self.stall_s.append(time.perf_counter() - t0)
         self._pending = (step, fut, meta, t0)
@@ -290,17 +295,25 @@ class CheckpointManager:
             if not fut.done():
                 return False
             self._pending = None
-            log.warning("checkpoint step %d: async save timed out; NOT committed, training continues", step)
+            self._failed(step, "async save timed out")
             return True
         except _ERRORS as e:  # noqa: BLE001
             self._pending = None
-            log.warning("checkpoint step %d: async save failed (%s); NOT committed, training continues",
-                        step, _short(e))
+            self._failed(step, f"async save failed ({_short(e)})")
             return True
         self._pending = None
         self.upload_s.append(time.perf_counter() - t0)
         self._committed_here(step, meta, wait=drain)
         return True
+
+    def _failed(self, step: int, why: str) -> None:
+        """A save that left ``step`` uncommitted: training goes on, up to MAX_FAILED_SAVES in a row."""
+        self.failed_saves += 1
+        log.warning("checkpoint step %d: %s; NOT committed (%d in a row)", step, why, self.failed_saves)
+        if self.failed_saves >= MAX_FAILED_SAVES:
+            raise SavesFailing(f"{self.failed_saves} checkpoint saves in a row failed (last: step {step}, {why}); "
+                               f"stopping this attempt: training on without a COMMITTED checkpoint is not "
+                               f"training (check the run URI's storage)")
 
     def inflight_left_s(self) -> float | None:
         """Estimated seconds the in-flight upload still needs (None: nothing in flight)."""
@@ -344,6 +357,7 @@ class CheckpointManager:
     def _committed_here(self, step: int, meta: dict[str, Any], wait: bool = False) -> None:
         """This rank's part of ``step`` is written (rank 0: every rank's). Rank 0 writes COMMITTED
         and runs retention on the committer thread; the loop goes on."""
+        self.failed_saves = 0
         if self.rank != 0:
             self.last_committed = step
             return

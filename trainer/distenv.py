@@ -9,6 +9,7 @@
   ``distributed_c10d._get_default_timeout``); NCCL's asynchronous error handling is on
   (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, torch's default mode 3: a timed-out NCCL collective tears
   the process down instead of leaving it blocked in a CUDA sync).
+* the CUDA caching allocator uses expandable segments (:data:`ALLOC_CONF`) unless told otherwise.
 * :func:`peer_lost` tells a failed collective (a rank on another node died, or hung past the
   timeout) from the trainer's own errors: the survivors then exit 75 ("resume me"), and the
   attempt resumes from the last COMMITTED checkpoint.
@@ -68,9 +69,28 @@ def select_device(spec: Any, local_rank: int, torch_mod: Any = None):
     why = cuda_problem(gpu, local_world, torch_mod)
     if why:
         raise ConfigError(why)
+    use_expandable_segments()
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return device
+
+
+ALLOC_CONF = "expandable_segments:True"
+"""The CUDA caching allocator's setting unless the environment has one: FSDP2's all-gather and
+reduce-scatter buffers on side streams and EP's per-step token counts fragment fixed segments, so
+``reserved`` runs well above ``allocated``; expandable segments grow in place (torchtitan sets it)."""
+
+
+def use_expandable_segments() -> bool:
+    """Expandable segments for this process's CUDA allocator (before its first allocation),
+    unless ``PYTORCH_ALLOC_CONF``/``PYTORCH_CUDA_ALLOC_CONF`` says otherwise. True if set here."""
+    import torch
+
+    if os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        return False
+    os.environ["PYTORCH_ALLOC_CONF"] = ALLOC_CONF  # read at the allocator's first use; children inherit it
+    torch.cuda.memory._set_allocator_settings(ALLOC_CONF)  # in case it is already initialised
+    return True
 
 
 def collective_timeout(spec: Any) -> timedelta:
@@ -94,6 +114,10 @@ def peer_lost(e: BaseException) -> bool:
     collective timeout (not this rank's own error)."""
     import torch.distributed as dist
 
+    from trainer.errors import CheckpointUnavailable
+
+    if isinstance(e, (ConfigError, CheckpointUnavailable)):  # the trainer's own verdicts
+        return False
     if isinstance(e, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
         return True
     failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception}

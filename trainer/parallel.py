@@ -242,10 +242,16 @@ def apply_fp8(model: nn.Module) -> None:
     except ImportError:
         raise ConfigError("trainer.fp8: true needs torchao (pip install torchao); it is not installed") from None
 
-    def keep(mod: nn.Module, fqn: str) -> bool:
-        return isinstance(mod, nn.Linear) and fqn != "head" and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+    convert_to_float8_training(model, module_filter_fn=fp8_keep)
 
-    convert_to_float8_training(model, module_filter_fn=keep)
+
+def fp8_keep(mod: nn.Module, fqn: str) -> bool:
+    """Which linears become float8: not the head, not a MoE router (routing decisions from
+    fp8-quantised logits; torchtitan's MoE configs exclude routers too), and only shapes
+    ``_scaled_mm`` takes (both dims divisible by 16)."""
+    if not isinstance(mod, nn.Linear) or fqn == "head" or fqn.split(".")[-1] == "router":
+        return False
+    return mod.in_features % 16 == 0 and mod.out_features % 16 == 0
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, *, device: torch.device,

@@ -18,7 +18,9 @@ Order of events (every failure before step 1 is a one-line error and exit 2):
      async one) → exit 75 (``runuri.EXIT_PREEMPTED``: "resume me").
    * ``STOP`` in the run URI (polled by a rank-0 thread every 0.5 s) → checkpoint → exit 0.
    * the last step → final checkpoint committed → ``DONE`` (final metrics, incl. ``param_digest``,
-     a sha256 of every parameter: equal digests = bit-identical models) → exit 0.
+     a sha256 of every parameter: equal digests = bit-identical models; on CPU, or on GPU only
+     when ``DTRUN_PARAM_DIGEST=1`` — a full-model gather to rank 0 is minutes of idle GPUs at 70B,
+     and GPU runs are not bitwise reproducible anyway) → exit 0.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 
 from orchestrator.contract import runuri
 from orchestrator.contract.runuri import EXIT_BAD_CONFIG, EXIT_DONE, EXIT_PREEMPTED
-from trainer.errors import CheckpointUnavailable, ConfigError
+from trainer.errors import CheckpointUnavailable, ConfigError, SavesFailing
 
 log = logging.getLogger("trainer")
 
@@ -116,6 +118,17 @@ def check_data_vocab(data: str, vocab_size: int) -> None:
                           f"{data}); use a model with vocab_size ≥ {m['vocab_size']}")
 
 
+PARAM_DIGEST_ENV = "DTRUN_PARAM_DIGEST"
+"""``1``: write ``param_digest`` into DONE also on GPU; ``0``: not even on CPU. Unset: CPU only."""
+
+
+def want_digest(device_type: str, env: dict[str, str] | None = None) -> bool:
+    raw = (os.environ if env is None else env).get(PARAM_DIGEST_ENV, "").strip()
+    if raw in ("0", "1"):
+        return raw == "1"
+    return device_type == "cpu"
+
+
 def _peer_lost_line(e: BaseException, committed: int | None = None) -> str:
     first = (str(e).splitlines() or [""])[0][:300]
     return (f"a collective failed: a peer rank is gone, or hung past trainer.collective_timeout_seconds "
@@ -155,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0 or getattr(e, "rank_local", False):
             print(f"dtrun trainer: error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_CONFIG
-    except CheckpointUnavailable as e:  # storage trouble at resume: retryable, nothing deleted
-        if int(os.environ.get("RANK", "0")) == 0:
+    except CheckpointUnavailable as e:  # storage trouble at resume, or saves failing: retryable
+        if int(os.environ.get("RANK", "0")) == 0 or isinstance(e, SavesFailing):
             print(f"dtrun trainer: error: {e}", file=sys.stderr, flush=True)
         return 1
     except Exception as e:  # before the loop (building, resuming): a peer gone → resume, not fail
@@ -207,8 +220,17 @@ class Run:
         if t.fp8:
             import importlib.util
 
+            if dims.tp > 1:
+                # Plain Colwise/RowwiseParallel on torchao's Float8Linear is untested and at best
+                # leaves the TP collectives in bf16; torchao's Float8*Parallel styles are not wired in.
+                raise ConfigError(f"trainer.fp8 with parallel.tp {dims.tp} is not supported (the float8 "
+                                  f"tensor-parallel styles are not wired in); use tp 1 or fp8: false")
             if importlib.util.find_spec("torchao") is None:
                 raise ConfigError("trainer.fp8: true needs torchao (pip install torchao); it is not installed")
+            if not t.compile and self.rank == 0:
+                log.warning("trainer.fp8 without trainer.compile: torchao's float8 linears are slower than "
+                            "bf16 uncompiled (torchao: compile is needed for competitive speed); set "
+                            "trainer.compile: true")
         check_data_vocab(t.data, ms.vocab_size)
         import importlib.util
 
@@ -424,8 +446,9 @@ class Run:
                 if last:
                     state_bytes = sharded_state_bytes(model, optimizer)  # grads + optimizer state present
                     state_bytes["grads_peak"] = grads_peak  # most gradient bytes held during the step
-                    if on_gpu:  # for benchmarks/gpu_check.sh: planner bytes vs the allocator's peak
+                    if on_gpu:  # for benchmarks/gpu_check.sh: planner bytes vs the allocator's peaks
                         state_bytes["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device))
+                        state_bytes["cuda_max_reserved"] = int(torch.cuda.max_memory_reserved(device))
                 optimizer.zero_grad(set_to_none=True)
                 if moe_layers and any(m.balance == "bias" for m in moe_layers):
                     counts = torch.stack([m.tokens_per_expert for m in moe_layers])
@@ -511,7 +534,7 @@ class Run:
             if ckpt.last_committed != step:
                 save(step, sync=True)
                 ckpt.settle()
-            digest = param_digest(model)
+            digest = param_digest(model) if want_digest(device.type) else None
             all_bytes = [state_bytes]
             if dist.is_initialized():
                 all_bytes = [None] * self.world

@@ -4,6 +4,7 @@ collective timeouts, Python 3.10's futures TimeoutError."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import time
 from concurrent.futures import Future
 from datetime import timedelta
@@ -119,3 +120,115 @@ def test_peer_lost_classification():
     assert peer_lost(dist.DistBackendError("NCCL error"))
     assert not peer_lost(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert not peer_lost(ValueError("x"))
+
+
+def test_failed_saves_in_a_row_stop_the_run(tmp_path, monkeypatch):
+    """Two failures go on (training continues, the next interval tries again); a commit resets the
+    count; MAX_FAILED_SAVES in a row stop the attempt (exit 1) instead of hours without a
+    checkpoint."""
+    import torch
+
+    from trainer import checkpoint
+    from trainer.checkpoint import MAX_FAILED_SAVES, CheckpointManager
+    from trainer.errors import SavesFailing
+
+    real = checkpoint.dcp.save
+    broken = {"on": True}
+
+    def save(sd, **kw):
+        if broken["on"]:
+            raise OSError("503 SlowDown")
+        return real(sd, **kw)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", save)
+    ck = CheckpointManager(f"file://{tmp_path}/run", keep=2, async_mode="sync", rank=0, world_size=1, dp_rank=0,
+                           describe={})
+    sd = {"x": torch.ones(4)}
+    try:
+        assert MAX_FAILED_SAVES == 3
+        ck.save(1, sd, {})
+        ck.save(2, sd, {})
+        broken["on"] = False
+        ck.save(3, sd, {})
+        assert ck.last_committed == 3 and ck.failed_saves == 0
+        broken["on"] = True
+        ck.save(4, sd, {})
+        ck.save(5, sd, {})
+        with pytest.raises(SavesFailing, match="3 checkpoint saves in a row failed"):
+            ck.save(6, sd, {})
+        ck.save(7, sd, {}, emergency=True)  # the emergency save at a notice counts for nothing here
+    finally:
+        ck.close()
+
+
+def test_trainer_prints_saves_failing_on_every_rank(tmp_path, monkeypatch, capsys):
+    from trainer import train
+    from trainer.errors import SavesFailing
+
+    class Boom:
+        def __init__(self, args):
+            pass
+
+        def run(self):
+            raise SavesFailing("3 checkpoint saves in a row failed")
+
+    monkeypatch.setattr(train, "Run", Boom)
+    monkeypatch.setenv("RANK", "3")
+    assert train.main(["--job", "x.yaml"]) == 1
+    assert "3 checkpoint saves in a row failed" in capsys.readouterr().err
+
+
+def test_expandable_segments_unless_the_environment_says(monkeypatch):
+    import torch
+
+    from trainer import distenv
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "")  # recorded: undone after the test
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    assert distenv.select_device(_spec("H100"), 0).type == "cuda"
+    assert calls == ["expandable_segments:True"]
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512")
+    assert distenv.use_expandable_segments() is False and len(calls) == 1
+
+
+def test_fp8_leaves_router_and_head_in_high_precision():
+    """The MoE router (routing from fp8-quantised logits) and the head stay high precision; only
+    shapes _scaled_mm takes are converted. On a meta MoE model: no torchao needed."""
+    from orchestrator.plan.presets import PRESETS
+    from trainer.model import build_model
+    from trainer.parallel import fp8_keep
+
+    model = build_model(PRESETS["moe-small"], device="meta")
+    kept = {fqn for fqn, m in model.named_modules() if fp8_keep(m, fqn)}
+    routers = [fqn for fqn, _ in model.named_modules() if fqn.endswith(".router")]
+    assert routers and not set(routers) & kept
+    assert "head" not in kept and any(f.endswith("attn.wq") or ".attn." in f for f in kept)
+
+
+def test_fp8_with_tp_is_refused(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    from trainer.train import main
+
+    spec = {"name": "fp8-tp", "resources": {"providers": ["local"], "gpu": "cpu", "gpus_per_node": 2},
+            "trainer": {"model": "tiny", "steps": 2, "batch_size": 2, "seq_len": 16, "fp8": True,
+                        "parallel": {"dp_shard": 1, "tp": 2}},
+            "checkpoint": {"uri": f"file://{tmp_path}/run"}}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--job", str(job)]) == 2
+    assert "trainer.fp8 with parallel.tp 2 is not supported" in capsys.readouterr().err
+
+
+def test_param_digest_on_cpu_or_when_asked():
+    from trainer.train import want_digest
+
+    assert want_digest("cpu", {}) and not want_digest("cuda", {})
+    assert want_digest("cuda", {"DTRUN_PARAM_DIGEST": "1"}) and not want_digest("cpu", {"DTRUN_PARAM_DIGEST": "0"})

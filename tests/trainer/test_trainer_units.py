@@ -231,7 +231,7 @@ def test_failed_async_save_warns_and_training_goes_on(caplog):
         assert mgr.last_committed is None
         assert "checkpoint step 3: async save failed" in caplog.text and "NOT committed" in caplog.text
         mgr.save(4, mgr.state_dict(model, opt, loader, {"step": 4, "tokens": 0, "loss": 0.0}), {}, sync=True)
-        assert mgr.last_committed is None and "checkpoint step 4 NOT committed" in caplog.text
+        assert mgr.last_committed is None and "checkpoint step 4: the save failed twice; NOT committed" in caplog.text
 
 
 def test_fp8_without_torchao_is_a_clear_config_error(monkeypatch):
