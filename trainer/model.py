@@ -278,6 +278,12 @@ class MoE(nn.Module):
             keep = (torch.arange(N * k, device=x.device) - starts[sorted_e]) < cap  # in sorted order
             gates = gates * keep[inv].to(gates.dtype)
         xs = _Rows.apply(xf, order // k, inv, k)
+        dev = xs.device.type
+        if torch.is_autocast_enabled(dev) and xs.dtype != torch.get_autocast_dtype(dev):
+            # Autocast leaves the residual stream fp32 (the embedding is not autocast, bf16 + fp32
+            # adds promote), and the grouped GEMM takes the compute dtype only (bf16 on CUDA): cast
+            # once here, or every MoE layer falls back to a per-expert loop with host syncs.
+            xs = xs.to(torch.get_autocast_dtype(dev))
 
         if self.ep_group is None:
             ys = self.experts(xs, counts, sorted_e)
@@ -289,6 +295,10 @@ class MoE(nn.Module):
         y = (_Rows.apply(ys, inv, order, 1).view(N, k, d) * gates.view(N, k, 1).to(ys.dtype)).sum(1)
         return y.view(B, T, d)
 
+    # The dispatch stays out of torch.compile (trainer.compile compiles each block): an async
+    # collective and host split sizes that change every step would break the block's graph and
+    # recompile it on every new token count; eager here, compiled around it.
+    @torch.compiler.disable
     def _ep_counts_start(self, counts: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Launch the exchange of per-expert token counts (``recv[r·el + e]``: tokens rank ``r``
         sends to my local expert ``e``) without waiting for it.
@@ -308,6 +318,7 @@ class MoE(nn.Module):
         work = dist.all_to_all_single(recv, counts, group=self.ep_group, async_op=True)
         return recv, work
 
+    @torch.compiler.disable
     def _ep_forward(self, xs: torch.Tensor, counts: torch.Tensor,
                     pending: tuple[torch.Tensor, Any]) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd

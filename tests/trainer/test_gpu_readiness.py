@@ -232,3 +232,42 @@ def test_param_digest_on_cpu_or_when_asked():
 
     assert want_digest("cpu", {}) and not want_digest("cuda", {})
     assert want_digest("cuda", {"DTRUN_PARAM_DIGEST": "1"}) and not want_digest("cpu", {"DTRUN_PARAM_DIGEST": "0"})
+
+
+def test_moe_under_autocast_takes_the_grouped_gemm(monkeypatch):
+    """Under autocast the MoE input arrives fp32 (the residual stream); the grouped GEMM takes
+    only the compute dtype on CUDA (bf16), so without a cast every MoE layer fell back to a
+    per-expert loop with a host sync per weight. CUDA's rule is emulated for _gmm_ok on CPU."""
+    import torch
+
+    from orchestrator.plan.presets import PRESETS
+    from trainer import model as tm
+
+    m = tm.build_model(PRESETS["tiny-moe"], seed=0)
+    moe = m.moe_layers()[0]
+    seen, syncs = [], []
+    real_fwd, real_tolist = tm.Experts.forward, torch.Tensor.tolist
+    monkeypatch.setattr(tm.Experts, "forward", lambda self, x, *a, **k: (seen.append(x.dtype), real_fwd(self, x, *a, **k))[1])
+    monkeypatch.setattr(tm, "_gmm_ok", lambda x, w: x.dtype == torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (syncs.append(1), real_tolist(self))[1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(torch.randn(2, 16, 64))
+    y.float().sum().backward()
+    assert seen == [torch.bfloat16] and syncs == []
+
+
+@pytest.mark.slow
+def test_ep_dispatch_stays_out_of_the_compiled_graph(tmp_path):
+    """With expert parallelism under compile, the async count exchange and the host split sizes
+    broke each MoE block's graph and recompiled it on every new token count (19 graphs, 18 breaks
+    in 4 steps before); now the dispatch runs eager between the compiled parts: the graphs of the
+    first step are all there is."""
+    import re
+    from pathlib import Path
+
+    from conftest import torchrun_script
+
+    out = torchrun_script(tmp_path, Path(__file__).with_name("ep_compile_check.py"), 2).stdout
+    for first, graphs, breaks in re.findall(r"FIRST=(\d+) GRAPHS=(\d+) BREAKS=(\d+)", out):
+        assert int(graphs) == int(first) and int(breaks) <= 2, out
+    assert out.count("GRAPHS=") == 2, out
