@@ -8,7 +8,11 @@ never imports torch into its own process: the torch check runs in a child interp
    ``pyproject.toml`` (``torch==X.Y.Z``; a local build tag such as ``+cu128`` is ignored). A
    prebuilt image (``resources.image``, default: the official PyTorch image of the pin) or
    Lambda's VM PyTorch that matches is kept; otherwise the pinned torch is installed (the
-   multi-GB download the prebuilt image exists to avoid).
+   multi-GB download the prebuilt image exists to avoid). On a GPU node (``nvidia-smi`` answers)
+   a CPU-only build (``+cpu``, or ``torch.version.cuda`` None) never counts as a match, and the
+   build's CUDA is checked against the driver (:data:`MIN_DRIVER`): a driver too old for it is
+   reported in the JSON line (``"driver_ok": false`` and why) — the trainer then refuses to start
+   (exit 2) instead of training on CPU.
 2. **the other dependencies** of ``pyproject.toml`` — each one whose distribution is not
    installed, or whose installed version does not satisfy the requirement (checked with
    ``packaging`` when pip ships it), is installed; the rest are left alone.
@@ -78,12 +82,60 @@ def installed_torch(python: str) -> str | None:
     return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
 
 
-def torch_matches(found: str | None, pin: str | None) -> bool:
+def torch_matches(found: str | None, pin: str | None, gpu_node: bool = False) -> bool:
     if found is None:
         return False
+    if gpu_node and "+cpu" in found:
+        return False  # a CPU wheel on a GPU node would train on CPU: replace it
     if pin is None:
         return True
     return found.split("+")[0] == pin
+
+
+MIN_DRIVER = {12: "525.60.13", 13: "580.65.06"}
+"""Oldest Linux driver for each CUDA major version (NVIDIA's CUDA toolkit release notes, "CUDA
+Toolkit and Corresponding Driver Versions", minor-version compatibility: any 12.x runs on ≥ 525.60.13,
+13.x on ≥ 580.65.06). Not checked on a GPU here."""
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver version (``nvidia-smi``), or None on a node without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if out.returncode == 0 and lines else None
+
+
+def torch_cuda(python: str) -> str | None:
+    """``torch.version.cuda`` in ``python`` (None: a CPU build, or torch does not import)."""
+    try:
+        out = subprocess.run([python, "-c", "import torch; print(torch.version.cuda)"],
+                             capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    v = out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else "None"
+    return None if v == "None" else v
+
+
+def driver_problem(cuda: str | None, driver: str | None) -> str | None:
+    """Why ``driver`` cannot run a torch built for CUDA ``cuda`` (None: it can, or unknown)."""
+    if driver is None:
+        return None
+    if cuda is None:
+        return f"torch is a CPU-only build on a GPU node (driver {driver})"
+    try:
+        major = int(cuda.split(".")[0])
+        have = tuple(int(x) for x in driver.split("."))
+    except ValueError:
+        return None
+    need = MIN_DRIVER.get(major)
+    if need is None or have >= tuple(int(x) for x in need.split(".")):
+        return None
+    return (f"torch is built for CUDA {cuda}, which needs NVIDIA driver ≥ {need}; this node "
+            f"has {driver} (use an image whose torch matches the driver, e.g. a cu12x wheel)")
 
 
 def satisfied(req: str, python: str) -> bool:
@@ -126,8 +178,9 @@ def plan(root: Path = ROOT, python: str | None = None) -> dict:
     deps = dependencies(root / "pyproject.toml")
     pin = torch_pin(deps)
     found = installed_torch(python)
+    driver = driver_version()
     install, kept = [], []
-    if torch_matches(found, pin):
+    if torch_matches(found, pin, gpu_node=driver is not None):
         kept.append(f"torch=={found}")
     else:
         install.append(f"torch=={pin}" if pin else "torch")
@@ -135,7 +188,7 @@ def plan(root: Path = ROOT, python: str | None = None) -> dict:
         if split(d)[0].lower() == "torch":
             continue
         (kept if satisfied(d, python) else install).append(d)
-    return {"python": python, "torch": found, "torch_pin": pin, "install": install, "kept": kept}
+    return {"python": python, "torch": found, "torch_pin": pin, "install": install, "kept": kept, "driver": driver}
 
 
 def main() -> int:
@@ -150,8 +203,13 @@ def main() -> int:
     except subprocess.CalledProcessError as e:
         print(json.dumps({"error": f"pip failed ({e.returncode})", **p}), flush=True)
         return 1
-    print(json.dumps({"torch": p["torch"], "torch_pin": p["torch_pin"], "installed": p["install"],
-                      "kept": p["kept"], "dry_run": dry, "seconds": round(time.monotonic() - t0, 2)}), flush=True)
+    rec = {"torch": p["torch"], "torch_pin": p["torch_pin"], "installed": p["install"], "kept": p["kept"],
+           "dry_run": dry, "seconds": round(time.monotonic() - t0, 2), "driver": p["driver"]}
+    if p["driver"] is not None:  # after any install: the torch that will run
+        cuda = torch_cuda(p["python"])
+        why = driver_problem(cuda, p["driver"])
+        rec.update(torch_cuda=cuda, driver_ok=why is None, **({"driver_problem": why} if why else {}))
+    print(json.dumps(rec), flush=True)
     return 0
 
 

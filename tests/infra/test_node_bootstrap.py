@@ -458,3 +458,24 @@ def test_unreachable_rendezvous_is_refused(extra, ip, resolved, msg):
     cfg, env = _multi(**extra)
     with pytest.raises(nb.ConfigError, match=msg):
         nb.network_env(cfg, env, ip, interfaces=lambda: IFACES, resolve=lambda h: resolved)
+
+
+# ---- node setup on a GPU node (issue 25) ---------------------------------------------------------
+
+def test_node_setup_replaces_a_cpu_torch_on_a_gpu_node():
+    from infra import node_setup as ns
+
+    assert ns.torch_matches("2.13.0+cpu", "2.13.0") is True  # a CPU node: fine
+    assert ns.torch_matches("2.13.0+cpu", "2.13.0", gpu_node=True) is False
+    assert ns.torch_matches("2.13.0+cu128", "2.13.0", gpu_node=True) is True
+    assert ns.torch_matches("2.13.0", "2.13.0", gpu_node=True) is True  # PyPI's default wheel is CUDA
+
+
+def test_node_setup_checks_the_builds_cuda_against_the_driver():
+    from infra import node_setup as ns
+
+    assert ns.driver_problem("12.8", "550.54.15") is None
+    assert ns.driver_problem("13.0", "580.65.06") is None
+    assert "needs NVIDIA driver ≥ 580.65.06" in ns.driver_problem("13.0", "570.124.06")
+    assert "CPU-only build" in ns.driver_problem(None, "550.54.15")
+    assert ns.driver_problem("13.0", None) is None  # no GPU: nothing to check
