@@ -72,14 +72,20 @@ def torch_pin(deps: list[str]) -> str | None:
     return None
 
 
-def installed_torch(python: str) -> str | None:
-    """``torch.__version__`` in ``python`` (a child process), or None when it does not import."""
+def _torch_says(python: str, expr: str) -> str | None:
+    """``print(<expr>)`` after ``import torch`` in ``python`` (a child process): its last line, or
+    None when torch does not import."""
     try:
-        out = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
+        out = subprocess.run([python, "-c", f"import torch; print({expr})"],
                              capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def installed_torch(python: str) -> str | None:
+    """``torch.__version__`` in ``python``, or None when it does not import."""
+    return _torch_says(python, "torch.__version__")
 
 
 def torch_matches(found: str | None, pin: str | None, gpu_node: bool = False) -> bool:
@@ -111,13 +117,8 @@ def driver_version() -> str | None:
 
 def torch_cuda(python: str) -> str | None:
     """``torch.version.cuda`` in ``python`` (None: a CPU build, or torch does not import)."""
-    try:
-        out = subprocess.run([python, "-c", "import torch; print(torch.version.cuda)"],
-                             capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    v = out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else "None"
-    return None if v == "None" else v
+    v = _torch_says(python, "torch.version.cuda")
+    return None if v in (None, "None") else v
 
 
 def driver_problem(cuda: str | None, driver: str | None) -> str | None:
