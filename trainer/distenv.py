@@ -59,11 +59,12 @@ def cuda_problem(gpu: str, local_world: int, torch_mod: Any = None) -> str | Non
 
 def select_device(spec: Any, local_rank: int, torch_mod: Any = None):
     """The rank's device: ``cuda:<local_rank>`` when the spec asks for a GPU (or ConfigError,
-    exit 2, when CUDA cannot serve it), ``cpu`` when it says ``gpu: cpu``."""
+    exit 2, when CUDA cannot serve it), ``cpu`` when it says ``gpu: cpu`` or, explicitly,
+    ``trainer.device: cpu``."""
     import torch
 
     gpu = spec.resources.gpu
-    if gpu == "cpu":
+    if gpu == "cpu" or spec.trainer.device == "cpu":
         return torch.device("cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     why = cuda_problem(gpu, local_world, torch_mod)

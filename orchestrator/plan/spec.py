@@ -146,6 +146,12 @@ class Trainer(_Model):
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     """Optional experiment trackers: tensorboard (event files under <run-uri>/tensorboard/) and wandb
     (needs the wandb package and WANDB_API_KEY in the node's environment; the key is never stored)."""
+    device: Literal["auto", "cpu"] = "auto"
+    """Where the ranks compute. auto: CUDA when ``resources.gpu`` names a GPU (refused, exit 2, when
+    CUDA cannot serve the node's ranks: never a silent fallback), CPU for ``gpu: cpu``. cpu: CPU
+    ranks over gloo even on a GPU node, chosen explicitly — a cheap smoke run of the whole launch
+    path (provisioning, setup, checkpoints, teardown) before the real one, and what the emulated
+    clouds' GPU-less nodes run. Priced as the node it rents."""
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     """Parameter/compute precision on GPU (FSDP2 mixed precision, fp32 reduce). CPU always runs fp32."""
     optimizer: Literal["adamw", "muon"] = "adamw"

@@ -53,9 +53,9 @@ def test_default_timeout_of_the_mixed_backend_is_30_minutes():
     assert _get_default_timeout(Backend("cpu:gloo,cuda:nccl")) == timedelta(minutes=30)
 
 
-def _spec(gpu: str, timeout: float = 600.0):
+def _spec(gpu: str, timeout: float = 600.0, device: str = "auto"):
     return SimpleNamespace(resources=SimpleNamespace(gpu=gpu),
-                           trainer=SimpleNamespace(collective_timeout_seconds=timeout))
+                           trainer=SimpleNamespace(collective_timeout_seconds=timeout, device=device))
 
 
 def test_gpu_spec_without_cuda_is_refused(monkeypatch):
@@ -67,6 +67,23 @@ def test_gpu_spec_without_cuda_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match="CUDA is not usable.*nvidia-smi"):
         select_device(_spec("H100"), 0)
     assert select_device(_spec("cpu"), 0).type == "cpu"
+
+
+def test_trainer_device_cpu_is_the_explicit_way_to_train_on_cpu_on_a_gpu_node(monkeypatch):
+    """The refusal is for a silent fallback; ``trainer.device: cpu`` says it out loud (smoke runs of
+    the launch path, the emulated clouds' GPU-less nodes) and is the only way past it."""
+    import torch
+
+    from orchestrator.plan.spec import JobSpec
+    from trainer.distenv import select_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select_device(_spec("H100", device="cpu"), 0).type == "cpu"
+    spec = JobSpec.model_validate({"name": "smoke", "resources": {"providers": ["lambda"], "gpu": "A10"},
+                                   "trainer": {"device": "cpu", "steps": 4}})
+    assert spec.trainer.device == "cpu"
+    with pytest.raises(ConfigError):
+        select_device(spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"device": "auto"})}), 0)
 
 
 def test_fewer_gpus_than_local_ranks_is_refused(monkeypatch):
