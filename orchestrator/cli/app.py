@@ -113,6 +113,21 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - sorted here: click's classes are known only once raised
         return _handle(e)
+    finally:
+        if argv is None:  # the process's own command line (`dtrun`, `python -m orchestrator.cli`), about to exit
+            _spare_the_exit_collection()
+
+
+def _spare_the_exit_collection() -> None:
+    """Move every object still alive into the collector's permanent generation: the interpreter's
+    shutdown then skips a last full collection over what pydantic, rich and typer built (~70 ms of
+    CPU, a fifth of the dry run's). Files are closed and atexit/weakref.finalize callbacks run as
+    usual; only finalizers of objects in reference cycles are left to the exit."""
+    import gc
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    gc.freeze()
 
 
 def _handle(e: Exception) -> int:
