@@ -234,6 +234,9 @@ def job_items(spec: Any, source: str) -> tuple[list[Item], int]:
             if why is not None:
                 code = EXIT_NOT_FOUND
     t = spec.trainer
+    if t is None:  # a command job reads its own data: nothing of dtrun's to check
+        items.append(Item("data", "command", None, "your command reads its own data (not checked)"))
+        return items, code
     for field, uri in (("trainer.data", t.data), ("trainer.val_data", t.val_data)):
         if not uri or uri == "synthetic":
             if field == "trainer.data":

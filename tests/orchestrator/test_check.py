@@ -245,3 +245,14 @@ def test_a_job_with_only_unready_providers_is_exit_5_and_human_lines(tmp_path, h
     assert rc == 5
     assert "✗ runpod:" in text and "✓ checkpoint.uri" in text and "chk: no provider it names is ready (exit 5)" in text
     assert "modal" not in text  # only the providers the job names
+
+
+def test_a_command_job_checks_its_run_uri_and_leaves_its_data_to_it(tmp_path, home, api, capsys):
+    (tmp_path / "train.py").write_text("print('step 1')\n")
+    f = tmp_path / "job.yaml"
+    f.write_text(yaml.safe_dump({"name": "mine", "resources": {"providers": ["local"], "gpu": "cpu", "gpus_per_node": 1},
+                                 "command": {"run": "train.py", "hours": 0.1},
+                                 "checkpoint": {"uri": str(tmp_path / "runs" / "{name}")}, "budget": {"max_usd": 1}}))
+    rc, items, _ = _check(capsys, str(f))
+    assert rc == 0 and items["checkpoint.uri"]["ok"] is True
+    assert items["command"]["ok"] is None and "its own data" in items["command"]["detail"]
