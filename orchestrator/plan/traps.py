@@ -15,6 +15,8 @@ no-lr-warmup                   warmup_steps: 0
 no-grad-clip                   grad_clip: null
 moe-no-load-balancing          a MoE model with balance none (or a zero coefficient / rate)
 tp-across-nodes                tensor-parallel degree above the GPUs per node
+fsdp-across-nodes              explicit FSDP sharding over GPUs of several nodes where HSDP (shard
+                               within a node, replicate across) fits the GPU
 heavier-rung-than-needed       explicit ZeRO-3 or TP where plain DDP fits the GPU
 debug-job-on-big-node          an 8×H100-class offer for a job one smaller GPU finishes in < 1 h
 fp32-at-scale                  fp32 training on GPUs at ≥ 1B parameters or ≥ 8 GPUs
@@ -148,6 +150,24 @@ def _tp_nodes(c: _Ctx) -> Trap | None:
     return None
 
 
+def _fsdp_nodes(c: _Ctx) -> Trap | None:
+    par, p = c.spec.trainer.parallel, c.plan
+    if par == "auto" or c.nodes < 2 or c.gpus_per_node < 2 or p is None or c.gpu == "cpu":
+        return None
+    par = c.spec.parallel_degrees
+    if par.replicate or par.dp_replicate > 1 or par.ep > 1 or par.dp_shard * par.tp <= c.gpus_per_node:
+        return None
+    want = "hsdp-zero3" if par.reshard_after_forward else "hsdp-zero2"  # same resharding as asked
+    hs = [r for r in p.rungs if r.strategy == want and not r.note and r.fits]
+    if not hs:
+        return None
+    return Trap("fsdp-across-nodes",
+                f"trainer.parallel shards over {par.dp_shard} ranks across {c.nodes} nodes: every parameter "
+                f"all-gather and gradient reduce-scatter crosses the inter-node network, while {hs[0].strategy} "
+                f"fits ({hs[0].memory_per_gpu_gb:.1f} GB/GPU on {c.gpu}) with only one gradient all-reduce per "
+                f"step between nodes; use parallel: {{dp_replicate: {c.nodes}, dp_shard: {c.gpus_per_node}}} or auto")
+
+
 def _heavier_rung(c: _Ctx) -> Trap | None:
     from orchestrator.plan.planner import strategy_name
 
@@ -277,7 +297,8 @@ def _startup_share(c: _Ctx) -> Trap | None:
 
 _CHECKS: list[Callable[[_Ctx], Trap | list[Trap] | None]] = [
     _startup_share,
-    _fit, _fp16, _fp32_scale, _spot_interval, _warmup, _clip, _moe_balance, _tp_nodes, _heavier_rung,
+    _fit, _fp16, _fp32_scale, _spot_interval, _warmup, _clip, _moe_balance, _tp_nodes, _fsdp_nodes,
+    _heavier_rung,
     _debug_big_node,
 ]
 

@@ -73,6 +73,7 @@ TABLE = [
     ("moe-no-load-balancing", "tiny-cpu", {"trainer__model": MOE_NONE}, None),
     ("tp-across-nodes", "llama3-8b-spot",
      {"resources__gpus_per_node": 4, "resources__nodes": 2, "trainer__parallel": {"tp": 8}}, None),
+    ("fsdp-across-nodes", "llama3-8b-spot", {"resources__nodes": 2, "trainer__parallel": {"dp_shard": 16}}, None),
     ("heavier-rung-than-needed", "gpt2-124m-8xh100", {"trainer__parallel": {"tp": 2}}, None),
     ("heavier-rung-than-needed", "gpt2-124m-8xh100", {"trainer__parallel": {"dp_shard": 8}}, None),
     ("debug-job-on-big-node", "gpt2-124m-8xh100",
