@@ -1,7 +1,7 @@
 """A ``command:`` job's checkpoint overhead: the script's own save vs the node agent's upload.
 
-A user script saves a checkpoint folder (``torch.save`` of a model + AdamW-shaped state of
-``--mb`` MiB into ``$DTRUN_CHECKPOINT_DIR/step-N/``, then ``DONE_WRITING``); the node agent
+A user script saves a checkpoint folder (``torch.save`` of ``--mb`` MiB of tensors in one file
+or four into ``$DTRUN_CHECKPOINT_DIR/step-N/``, then ``DONE_WRITING``); the node agent
 (``infra/usercode.py``) finds it finished, uploads it to the run URI and writes COMMITTED. Timed
 separately: the script's save (what the script pays anyway), the agent's upload + commit (runs
 beside the script, off its critical path), and the restore a resumed node does before starting.
@@ -35,7 +35,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(uri: str, mb: int, work: str) -> dict:
+def measure(uri: str, mb: int, work: str, files: int = 1) -> dict:
     import torch
 
     from infra import usercode
@@ -44,12 +44,13 @@ def measure(uri: str, mb: int, work: str) -> dict:
     cfg = SimpleNamespace(run_uri=uri, job="bench", attempt=1, node_rank=0, nnodes=1)
     cmd = {"run": "train.py", "checkpoint_format": "marker", "_keep": 2}
     s = usercode.UserCommand(cfg, cmd, [], "launch.py")
-    n = mb * 2**20 // 4 // 3
-    state = {"model": torch.randn(n), "opt": {"exp_avg": torch.randn(n), "exp_avg_sq": torch.randn(n)}}
+    n = mb * 2**20 // 4 // files
+    parts = [torch.randn(n) for _ in range(files)]
     folder = os.path.join(s.ckpt_dir, "step-100")
     t0 = time.perf_counter()
     os.makedirs(folder)
-    torch.save(state, os.path.join(folder, "state.pt"))
+    for i, t in enumerate(parts):  # e.g. the Trainer's model, optimizer, ... files
+        torch.save({"part": t}, os.path.join(folder, f"part-{i}.pt"))
     with open(os.path.join(folder, "DONE_WRITING"), "w") as f:
         f.write('{"step": 100}')
     save_s = time.perf_counter() - t0
@@ -62,8 +63,8 @@ def measure(uri: str, mb: int, work: str) -> dict:
     r._restore()
     restore_s = time.perf_counter() - t0
     assert r.resume_step == 100
-    size = os.path.getsize(os.path.join(folder, "state.pt"))
-    return {"bytes": size, "script_save_s": round(save_s, 3), "agent_upload_commit_s": round(upload_s, 3),
+    size = sum(os.path.getsize(os.path.join(folder, f"part-{i}.pt")) for i in range(files))
+    return {"bytes": size, "files": files, "script_save_s": round(save_s, 3), "agent_upload_commit_s": round(upload_s, 3),
             "upload_over_save": round(upload_s / save_s, 2), "restore_s": round(restore_s, 3),
             "upload_MiB_per_s": round(size / 2**20 / upload_s, 1)}
 
@@ -89,8 +90,9 @@ def main() -> None:
                 time.sleep(0.1)
         with tempfile.TemporaryDirectory() as tmp:
             out = {"mb": args.mb,
-                   "moto_s3": measure("s3://bench/run", args.mb, os.path.join(tmp, "a")),
-                   "local_disk": measure(f"file://{tmp}/run", args.mb, os.path.join(tmp, "b"))}
+                   "moto_s3_1_file": measure("s3://bench/run1", args.mb, os.path.join(tmp, "a"), 1),
+                   "moto_s3_4_files": measure("s3://bench/run4", args.mb, os.path.join(tmp, "c"), 4),
+                   "local_disk_4_files": measure(f"file://{tmp}/run", args.mb, os.path.join(tmp, "b"), 4)}
         print(json.dumps(out))
     finally:
         moto.terminate()

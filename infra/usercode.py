@@ -57,6 +57,8 @@ from orchestrator.contract import runuri
 CODE_ARCHIVE = "code.tar.gz"
 DONE_WRITING = "DONE_WRITING"
 NODE_MARK = ".dtrun-node-"
+UPLOAD_STREAMS = 8
+"""Files of one checkpoint uploaded (or restored) at once."""
 COMMIT_WAIT_SECONDS = 300.0
 """How long node 0 waits for the other nodes' parts of a checkpoint before leaving it uncommitted."""
 
@@ -359,15 +361,20 @@ class UserCommand:
         step, _rec = latest
         src = runuri.checkpoint_uri(uri, step)
         t0 = time.monotonic()
-        n = nbytes = 0
-        for rel in runuri.list_files(src):
-            if rel == runuri.COMMITTED or os.path.basename(rel).startswith(NODE_MARK):
-                continue
+        rels = [r for r in runuri.list_files(src)
+                if r != runuri.COMMITTED and not os.path.basename(r).startswith(NODE_MARK)]
+
+        def get(rel: str) -> int:
             dst = os.path.join(self.ckpt_dir, rel)
             runuri.get_file(runuri.join(src, rel), dst)
-            n += 1
-            nbytes += os.path.getsize(dst)
-            self.restored.add(rel.split("/", 1)[0])
+            return os.path.getsize(dst)
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=max(1, min(UPLOAD_STREAMS, len(rels)))) as pool:
+            nbytes = sum(pool.map(get, rels))
+        n = len(rels)
+        self.restored.update(rel.split("/", 1)[0] for rel in rels)
         for name in self.restored:
             self.uploaded[name] = step
         self.resume_step = step
@@ -468,12 +475,17 @@ class UserCommand:
             return False
         t0 = time.monotonic()
         files = _files_of(self.ckpt_dir, f)
-        nbytes = 0
-        try:
-            for rel in files:
-                src = os.path.join(self.ckpt_dir, rel)
-                runuri.put_file(src, runuri.join(dst, rel))
-                nbytes += os.path.getsize(src)
+
+        def put(rel: str) -> int:
+            src = os.path.join(self.ckpt_dir, rel)
+            runuri.put_file(src, runuri.join(dst, rel))
+            return os.path.getsize(src)
+
+        try:  # the folder's files in parallel streams (one stream is store-bound: README benchmarks)
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=max(1, min(UPLOAD_STREAMS, len(files)))) as pool:
+                nbytes = sum(pool.map(put, files))
         except FileNotFoundError:
             # the script removed it meanwhile (its own rotation): it was never whole in the store
             log(f"checkpoint {f.rel} vanished while uploading; not committed")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.contract import runuri
+from tests.e2e.test_command_local import job as command_job
 from tests.e2e.test_command_local import run
 
 pytest.importorskip("transformers")
@@ -29,14 +30,7 @@ STEPS = 40
 
 
 def job(uri: str, name: str) -> dict:
-    return {
-        "name": name,
-        "resources": {"providers": ["local"], "gpu": "cpu", "gpus_per_node": 2},
-        "command": {"run": "train.py", "checkpoint_format": "hf", "hours": 0.05, "code": str(EXAMPLE)},
-        "checkpoint": {"uri": uri, "keep": 2},
-        "budget": {"max_usd": 1.0, "max_hours": 1},
-        "recovery": {"poll_seconds": 0.5, "backoff_seconds": 0, "heartbeat_timeout_seconds": 180},
-    }
+    return command_job(uri, name, EXAMPLE, "hf")
 
 
 def final_weights(uri: str, tmp: Path) -> dict:

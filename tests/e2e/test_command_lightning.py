@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.contract import runuri
-from tests.e2e.test_command_local import run
+from tests.e2e.test_command_local import job, run
 
 pytest.importorskip("lightning")
 
@@ -28,11 +28,7 @@ def test_lightning_sigterm_checkpoints_at_the_notice_and_resumes(dtrun_home, tmp
     monkeypatch.setenv("DTRUN_HEARTBEAT_SECONDS", "0.5")
     monkeypatch.setenv("DTRUN_NODE_DIR", str(tmp_path / "nodes"))
     uri = f"{s3_bucket}/runs/lt-term"
-    spec = {"name": "lt-term", "resources": {"providers": ["local"], "gpu": "cpu", "gpus_per_node": 1},
-            "command": {"run": "train.py", "checkpoint_format": "lightning", "hours": 0.05, "code": str(EXAMPLE)},
-            "checkpoint": {"uri": uri, "keep": 2}, "budget": {"max_usd": 1.0, "max_hours": 1},
-            "recovery": {"poll_seconds": 0.5, "backoff_seconds": 0, "heartbeat_timeout_seconds": 180}}
-    ctl, sent = run(spec, kill=(signal.SIGTERM, 12))
+    ctl, sent = run(job(uri, "lt-term", EXAMPLE, "lightning", ranks=1), kill=(signal.SIGTERM, 12))
     atts = ctl.store.attempts("lt-term")
     assert [a["outcome"] for a in atts] == ["preempted", "succeeded"]
     log = Path(atts[0]["log_path"]).read_text()

@@ -26,14 +26,15 @@ EXAMPLE = REPO / "jobs" / "user-torch"
 STEPS = 40
 
 
-def job(uri: str, name: str) -> dict:
+def job(uri: str, name: str, code: Path = EXAMPLE, fmt: str = "marker", ranks: int = 2) -> dict:
+    """A command job running ``code``/train.py on the local provider (shared by the e2e command tests)."""
     return {
         "name": name,
-        "resources": {"providers": ["local"], "gpu": "cpu", "gpus_per_node": 2},
-        "command": {"run": "train.py", "checkpoint_format": "marker", "hours": 0.05, "code": str(EXAMPLE)},
+        "resources": {"providers": ["local"], "gpu": "cpu", "gpus_per_node": ranks},
+        "command": {"run": "train.py", "checkpoint_format": fmt, "hours": 0.05, "code": str(code)},
         "checkpoint": {"uri": uri, "keep": 2},
         "budget": {"max_usd": 1.0, "max_hours": 1},
-        "recovery": {"poll_seconds": 0.5, "backoff_seconds": 0, "heartbeat_timeout_seconds": 120},
+        "recovery": {"poll_seconds": 0.5, "backoff_seconds": 0, "heartbeat_timeout_seconds": 180},
     }
 
 
