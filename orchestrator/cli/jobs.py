@@ -76,8 +76,8 @@ def cluster_nodes(run_uri: str, att: dict | None, live: bool) -> list[dict[str, 
         except OSError:
             recs = []
     recs = recs or att.get("cluster") or []
-    if len(recs) < 2 and (recs[0].get("nnodes", 1) if recs else 1) < 2:
-        return []
+    if not any((r.get("nnodes") or 1) > 1 for r in recs):
+        return []  # one node: its facts are the provider's node row
     out = []
     for r in recs:
         state = r.get("state")
