@@ -66,6 +66,9 @@ def cmd_profile(job: Path, steps: int, json_out: bool) -> int:
     if steps < 1:
         raise UsageError("--steps must be at least 1")
     spec = load_spec(job)
+    if spec.trainer is None:
+        raise UsageError(f"{job}: runs your own command: `dtrun profile` profiles the bundled trainer "
+                         "(profile your script with torch.profiler inside it)")
     r = spec.resources
     if r.gpu != "cpu":
         have = _cuda_devices()
