@@ -163,6 +163,11 @@ def _memory_and_traps(spec: JobSpec, plan: Plan, offer_rows: list[dict[str, Any]
     return out
 
 
+def _what_to_cut(spec: JobSpec) -> str:
+    """The fields that shorten the job (a command job has no trainer section)."""
+    return "command.hours (or command.tokens)" if spec.command is not None else "trainer.tokens/steps"
+
+
 def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, console=None) -> None:
     """Human-readable plan: ranked offers, the choice, the breakdown, the budget verdict."""
     from rich.markup import escape
@@ -272,6 +277,8 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
                       f"(~{b['expected_preemptions']:.1f} at {b['preemptions_per_hour']:g}/h: restart + half an interval each)")
         if is_free(shown):
             con.print(f"  total          {_hours(est.hours)} (nothing rented: no money spent)")
+        elif (b.get("deadline") or {}).get("cut"):  # no buffer: the deadline caps hours and money
+            con.print(f"  total          {_hours(est.hours)} → [bold]{_money(est.cost_usd)}[/] ({b['buffer_basis']})")
         else:
             con.print(f"  total          {_hours(est.hours)} → expected {_money(est.expected_usd)}, "
                       f"with {b.get('buffer_basis') or f'{est.buffer:.0%} buffer'} [bold]{_money(est.cost_usd)}[/]")
@@ -321,7 +328,7 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
             else:
                 con.print(f"[red]Deadline:[/] the estimate ({_hours(dl['estimate_hours'])}) is longer than "
                           f"budget.max_hours ({dl['max_hours']:g} h): {trained}; nothing will be rented. Raise "
-                          "budget.max_hours, cut trainer.tokens/steps, or set budget.cut_at_deadline: true if "
+                          f"budget.max_hours, cut {_what_to_cut(spec)}, or set budget.cut_at_deadline: true if "
                           "the deadline is meant to cut the run.")
         max_h = spec.budget.max_hours
         if spec.budget.max_usd is None and max_h is None:
@@ -336,7 +343,7 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
                          else " — but not within the deadline (above)." if dl and not dl["cut"] else "."))
         else:
             con.print(f"[red]Budget:[/] {_money(est.cost_usd)} > {_money(spec.budget.max_usd)}: over budget; "
-                      "nothing will be rented. Raise budget.max_usd, cut trainer.tokens/steps, or allow cheaper offers.")
+                      f"nothing will be rented. Raise budget.max_usd, cut {_what_to_cut(spec)}, or allow cheaper offers.")
 
 
 ON_THIS_MACHINE = ("local", "fake")

@@ -64,6 +64,21 @@ def test_cut_at_deadline_accepts_and_prices_up_to_the_deadline(capsys, tmp_path)
     assert out["hours"] == pytest.approx(0.25)
     assert out["cost_usd"] == pytest.approx(out["breakdown"]["price_per_hour"] * 0.25)
     assert out["breakdown"]["deadline"]["cut"] is True
+    rc, text = dry(capsys, f, json_out=False)
+    total = next(x for x in text.splitlines() if x.strip().startswith("total"))
+    assert total.endswith("(capped by budget.max_hours (0.25 h): the run stops there)") and " with " not in total
+
+
+def test_a_command_jobs_refusal_names_the_command_fields_to_cut(capsys, tmp_path):
+    (tmp_path / "train.py").write_text("print('step 1')\n")
+    f = job_file(tmp_path, budget__max_hours=0.25, budget__max_usd=10_000)
+    data = yaml.safe_load(f.read_text())
+    del data["trainer"]
+    data["command"] = {"run": "train.py", "hours": 2}
+    f.write_text(yaml.safe_dump(data))
+    rc, text = dry(capsys, f, json_out=False)
+    text = " ".join(text.split())  # the console wraps long lines
+    assert rc == 3 and "cut command.hours (or command.tokens)" in text and "trainer.tokens" not in text
 
 
 def test_nothing_caps_the_spend_is_exact(capsys, tmp_path):
