@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from conftest import torchrun_script
@@ -29,88 +28,102 @@ from trainer import model as tm
 from trainer.model import build_model, loss_fn
 from trainer.parallel import ParallelDims, build_meshes, held_grad_bytes, parallelize
 
-n_experts, ep = int(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-spec = ModelSpec.model_validate({"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 32,
-    "mlp": "swiglu", "bias": True, "moe": {"n_experts": n_experts, "top_k": 2, "d_expert": 48, "balance": "bias"}})
-g = torch.Generator().manual_seed(1)
-X = torch.randint(0, 64, (2 * world, 16), generator=g)
-x = X[2 * rank:2 * rank + 2]
 
-# One process, the whole global batch: the reference gradient of the mean loss.
-ref = build_model(spec, seed=0)
-loss_fn(ref(X), X)[0].backward()
-want = {n: p.grad for n, p in ref.named_parameters()}
 
-dims = ParallelDims(world, 1, ep, world)
-meshes = build_meshes(dims, "cpu")
+def check(n_experts, ep):
+    spec = ModelSpec.model_validate({"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 32,
+        "mlp": "swiglu", "bias": True, "moe": {"n_experts": n_experts, "top_k": 2, "d_expert": 48, "balance": "bias"}})
+    g = torch.Generator().manual_seed(1)
+    X = torch.randint(0, 64, (2 * world, 16), generator=g)
+    x = X[2 * rank:2 * rank + 2]
 
-def build(param_dtype):
-    m = build_model(spec, device="meta")
-    parallelize(m, dims, meshes, device=torch.device("cpu"), param_dtype=param_dtype)
-    m.to_empty(device="cpu")
-    m.init_weights(0)
-    return m
+    # One process, the whole global batch: the reference gradient of the mean loss.
+    ref = build_model(spec, seed=0)
+    loss_fn(ref(X), X)[0].backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
 
-# fp32: gradients sharded over dp_rep and equal to the reference.
-model = build(None)
-loss_fn(model(x), x)[0].backward()
-worst = 0.0
-for n, p in model.named_parameters():
-    got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-    worst = max(worst, (got - want[n]).abs().max().item())
-    if ".experts." in n:
-        assert type(p.grad).__name__ == "DTensor", n
-        # Sharded over all 4 ranks: ep × dp_rep (old: ep only, each dp_rep replica a full copy).
-        assert p.grad.to_local().numel() * world == p.numel(), (n, p.grad.to_local().shape, p.grad.placements)
-print(f"RANK{rank} MAXDIFF={worst:.3e} HELD={held_grad_bytes(model)} PLACEMENT={model.layers['0'].ffn.experts.w1.placements[0]!r}", flush=True)
+    dims = ParallelDims(world, 1, ep, world)
+    meshes = build_meshes(dims, "cpu")
 
-# bf16 compute: what Experts._local receives, and the order of the count exchange.
-events = []
-real_local = tm.Experts._local
-def local(t, dtype):
-    if t is not None:
-        events.append(("weight", str((t.to_local() if hasattr(t, "to_local") else t).dtype)))
-    return real_local(t, dtype)
-tm.Experts._local = staticmethod(local)
-real_a2a, real_argsort = dist.all_to_all_single, torch.argsort
-class Work:
-    def __init__(self, w):
-        self.w = w
-    def wait(self, *a, **k):
-        events.append(("wait",))
-        return self.w.wait(*a, **k)
-def a2a(*a, async_op=False, **k):
-    events.append(("a2a", bool(async_op)))
-    w = real_a2a(*a, async_op=async_op, **k)
-    return Work(w) if async_op else w
-def argsort(*a, **k):
-    events.append(("argsort",))
-    return real_argsort(*a, **k)
-dist.all_to_all_single, torch.argsort = a2a, argsort
-model = build(torch.bfloat16)
-model(x)
-dist.all_to_all_single, torch.argsort = real_a2a, real_argsort
-tm.Experts._local = staticmethod(real_local)
-dtypes = sorted({e[1] for e in events if e[0] == "weight"})
-seq = [e[0] if e[0] != "a2a" else f"a2a-async={e[1]}" for e in events if e[0] != "weight"]
-print(f"RANK{rank} DTYPES={','.join(dtypes)} SEQ={'|'.join(seq)};", flush=True)
+    def build(param_dtype):
+        m = build_model(spec, device="meta")
+        parallelize(m, dims, meshes, device=torch.device("cpu"), param_dtype=param_dtype)
+        m.to_empty(device="cpu")
+        m.init_weights(0)
+        return m
+
+    # fp32: gradients sharded over dp_rep and equal to the reference.
+    model = build(None)
+    loss_fn(model(x), x)[0].backward()
+    worst = 0.0
+    for n, p in model.named_parameters():
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        worst = max(worst, (got - want[n]).abs().max().item())
+        if ".experts." in n:
+            assert type(p.grad).__name__ == "DTensor", n
+            # Sharded over all 4 ranks: ep × dp_rep (old: ep only, each dp_rep replica a full copy).
+            assert p.grad.to_local().numel() * world == p.numel(), (n, p.grad.to_local().shape, p.grad.placements)
+    print(f"CFG{n_experts},{ep} RANK{rank} MAXDIFF={worst:.3e} HELD={held_grad_bytes(model)} PLACEMENT={model.layers['0'].ffn.experts.w1.placements[0]!r}", flush=True)
+
+    # bf16 compute: what Experts._local receives, and the order of the count exchange.
+    events = []
+    real_local = tm.Experts._local
+    def local(t, dtype):
+        if t is not None:
+            events.append(("weight", str((t.to_local() if hasattr(t, "to_local") else t).dtype)))
+        return real_local(t, dtype)
+    tm.Experts._local = staticmethod(local)
+    real_a2a, real_argsort = dist.all_to_all_single, torch.argsort
+    class Work:
+        def __init__(self, w):
+            self.w = w
+        def wait(self, *a, **k):
+            events.append(("wait",))
+            return self.w.wait(*a, **k)
+    def a2a(*a, async_op=False, **k):
+        events.append(("a2a", bool(async_op)))
+        w = real_a2a(*a, async_op=async_op, **k)
+        return Work(w) if async_op else w
+    def argsort(*a, **k):
+        events.append(("argsort",))
+        return real_argsort(*a, **k)
+    dist.all_to_all_single, torch.argsort = a2a, argsort
+    model = build(torch.bfloat16)
+    model(x)
+    dist.all_to_all_single, torch.argsort = real_a2a, real_argsort
+    tm.Experts._local = staticmethod(real_local)
+    dtypes = sorted({e[1] for e in events if e[0] == "weight"})
+    seq = [e[0] if e[0] != "a2a" else f"a2a-async={e[1]}" for e in events if e[0] != "weight"]
+    print(f"CFG{n_experts},{ep} RANK{rank} DTYPES={','.join(dtypes)} SEQ={'|'.join(seq)};", flush=True)
+
+
+# Every configuration in one world (one torchrun start instead of one per configuration).
+for cfg in sys.argv[1:]:
+    check(*map(int, cfg.split(",")))
 dist.destroy_process_group()
 '''
 
 
-def _run(tmp_path: Path, n_experts: int, ep: int) -> str:
-    return torchrun_script(tmp_path, _SCRIPT, 4, str(n_experts), str(ep)).stdout
-
-
-@pytest.mark.parametrize("n_experts,ep,placement", [
+CONFIGS = [
     (4, 2, "_StridedShard(dim=0"),  # dp_rep 2, whole experts per rank
     (2, 2, "Shard(dim=1)"),         # dp_rep × ep > n_experts: sharded on dim 1
     (4, 4, "_StridedShard(dim=0"),  # dp_rep 1: a size-1 FSDP unit (compute dtype, ÷ dp, no collective)
-])
-def test_ep_experts_under_fsdp_on_dp_rep(tmp_path, n_experts, ep, placement):
-    out = _run(tmp_path, n_experts, ep)
+]
+
+
+@pytest.fixture(scope="module")
+def world4_output(tmp_path_factory) -> str:
+    """One world-4 torchrun for every configuration (each test reads its own lines)."""
+    tmp = tmp_path_factory.mktemp("moe_ep")
+    return torchrun_script(tmp, _SCRIPT, 4, *(f"{n},{ep}" for n, ep, _ in CONFIGS)).stdout
+
+
+@pytest.mark.parametrize("n_experts,ep,placement", CONFIGS)
+def test_ep_experts_under_fsdp_on_dp_rep(world4_output, n_experts, ep, placement):
+    tag = f"CFG{n_experts},{ep} "
+    out = "".join(line[len(tag):] + "\n" for line in world4_output.splitlines() if line.startswith(tag))
     grads = re.findall(r"RANK(\d) MAXDIFF=(\S+) HELD=(\d+) PLACEMENT=(\w+\(dim=\d[^)]*\))", out)
     assert len(grads) == 4, out
     for _, diff, _, pl in grads:

@@ -178,6 +178,38 @@ def test_tp2_tied_learned_positions_matches_world1(trainer, tmp_path):
     _check_matches(got["tied1"], got["tied-dp2tp2"])
 
 
+_SHARED_WORLD_RUNNER = """
+import builtins, sys, torch.distributed as dist
+dist.init_process_group("gloo")
+for path in sys.argv[1:]:
+    name = path.rsplit("/", 1)[-1].removesuffix(".py")
+    src = open(path).read().replace('dist.init_process_group("gloo")', "").replace("dist.destroy_process_group()", "")
+    tagged = lambda *a, _n=name, **k: builtins.print(f"[{_n}]", *a, **k)
+    exec(compile(src, path, "exec"), {"__name__": "__main__", "print": tagged})
+    dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    """One world-2 torchrun for this module's layout scripts, run in turn in the same processes
+    (each script's own process group set-up left out); each test reads its script's lines."""
+    tmp = tmp_path_factory.mktemp("world2")
+    paths = []
+    for name, text in (("tp_layout", _TP_LAYOUT_SCRIPT), ("z_loss", _Z_LOSS_SCRIPT),
+                       ("muon_split", _MUON_SPLIT_SCRIPT)):  # muon_split last: it patches newton_schulz
+        (tmp / f"{name}.py").write_text(text)
+        paths.append(str(tmp / f"{name}.py"))
+    out = torchrun_script(tmp, _SHARED_WORLD_RUNNER, 2, *paths, timeout=300).stdout
+
+    def lines(name: str) -> str:
+        tag = f"[{name}] "
+        return "".join(x[len(tag):] + "\n" for x in out.splitlines() if x.startswith(tag))
+
+    return lines
+
+
 _TP_LAYOUT_SCRIPT = '''
 import sys, torch, torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
@@ -209,13 +241,13 @@ dist.destroy_process_group()
 '''
 
 
-def test_tp_is_sequence_parallel_with_a_vocab_sharded_loss(tmp_path):
+def test_tp_is_sequence_parallel_with_a_vocab_sharded_loss(world2):
     """The residual stream between blocks holds this rank's half of the sequence; the head's
     logits stay vocab-sharded (loss parallel: no full-vocab all-gather)."""
-    out = torchrun_script(tmp_path, _TP_LAYOUT_SCRIPT, 2, timeout=180)
-    assert "LOGITS DTensor (Shard(dim=2),) (2, 32, 128)" in out.stdout, out.stdout
-    assert "BLOCK_OUT (2, 16, 64)" in out.stdout, out.stdout
-    assert "NORM DTensor" in out.stdout, out.stdout
+    out = world2("tp_layout")
+    assert "LOGITS DTensor (Shard(dim=2),) (2, 32, 128)" in out, out
+    assert "BLOCK_OUT (2, 16, 64)" in out, out
+    assert "NORM DTensor" in out, out
 
 
 _Z_LOSS_SCRIPT = '''
@@ -246,16 +278,16 @@ dist.destroy_process_group()
 '''
 
 
-def test_z_loss_under_loss_parallel_keeps_the_vocabulary_sharded(tmp_path):
+def test_z_loss_under_loss_parallel_keeps_the_vocabulary_sharded(world2):
     """z-loss's logsumexp on vocab-sharded logits: before, ``torch.logsumexp`` on the DTensor
     all-gathered the whole vocabulary on every TP rank (mb·T·V fp32, the memory loss parallel
     exists to avoid). Now two small all-reduces; loss and gradient equal the unsharded ones."""
     import re
 
-    out = torchrun_script(tmp_path, _Z_LOSS_SCRIPT, 2, timeout=180)
-    m = re.search(r"LOSS (\S+) REF (\S+) GRAD_ERR (\S+)", out.stdout)
-    assert m and abs(float(m.group(1)) - float(m.group(2))) < 1e-5 and float(m.group(3)) < 1e-6, out.stdout
-    comms = re.search(r"COMMS (.*)", out.stdout).group(1)
+    out = world2("z_loss")
+    m = re.search(r"LOSS (\S+) REF (\S+) GRAD_ERR (\S+)", out)
+    assert m and abs(float(m.group(1)) - float(m.group(2))) < 1e-5 and float(m.group(3)) < 1e-6, out
+    comms = re.search(r"COMMS (.*)", out).group(1)
     assert "all_gather" not in comms, comms
 
 
@@ -289,11 +321,11 @@ dist.destroy_process_group()
 '''
 
 
-def test_muon_splits_newton_schulz_across_ranks(tmp_path):
+def test_muon_splits_newton_schulz_across_ranks(world2):
     import re
 
-    out = torchrun_script(tmp_path, _MUON_SPLIT_SCRIPT, 2, timeout=180)
-    got = {int(r): (int(n), int(m)) for r, n, m in re.findall(r"RANK(\d) NS=(\d+) MATS=(\d+)", out.stdout)}
+    out = world2("muon_split")
+    got = {int(r): (int(n), int(m)) for r, n, m in re.findall(r"RANK(\d) NS=(\d+) MATS=(\d+)", out)}
     assert set(got) == {0, 1}
     mats = got[0][1]
     assert got[0][0] + got[1][0] == mats and abs(got[0][0] - got[1][0]) <= 1  # each matrix once, split evenly
