@@ -401,7 +401,9 @@ class UserCommand:
             return ["bash", "-c", run]
         import shlex
 
-        env = self.env()
+        # Only DTRUN_ variables (as documented): the node logs this argv ("exec: …") into the run
+        # URI's node log, and a $AWS_SECRET_ACCESS_KEY expanded here would land there.
+        env = {k: v for k, v in self.env().items() if k.startswith("DTRUN_")}
         words = [string.Template(w).safe_substitute(env) for w in shlex.split(run)]
         return [sys.executable, self.launcher, *self.torchrun_flags, *words]
 

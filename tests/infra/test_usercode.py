@@ -178,3 +178,13 @@ def test_finish_writes_done_only_for_an_unasked_exit_0(tmp_path, monkeypatch):
     done = runuri.read_json(runuri.join(uri, runuri.DONE))
     assert done["step"] == 5 and done["source"] == "command"
     assert runuri.read_json(runuri.join(uri, runuri.PROGRESS))["step"] == 5
+
+
+def test_argv_expands_only_dtrun_variables_never_a_secret(tmp_path, monkeypatch):
+    """The node logs the argv into the run URI's node log: only DTRUN_ variables are expanded."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value-123")
+    s = _session(tmp_path, f"file://{tmp_path}/run", monkeypatch=monkeypatch)
+    s.c["run"] = "train.py --out $DTRUN_CHECKPOINT_DIR --key $AWS_SECRET_ACCESS_KEY"
+    argv = s.argv()
+    assert argv[-4:] == ["--out", s.ckpt_dir, "--key", "$AWS_SECRET_ACCESS_KEY"]
+    assert "s3cr3t-value-123" not in " ".join(argv)
