@@ -50,7 +50,7 @@ def render(name: str, model: str, gpu: str, budget: float, data: str, gpus: int,
     local = gpu == "cpu"
     ms = PRESETS[model]
     seq_len = min(ms.max_seq_len, 64 if local else 1024)
-    batch = 8 if local else 64
+    batch = max(gpus, (8 if local else 64) // gpus * gpus)  # every layout splits it over the ranks
     if local:
         length = "  steps: 200                # optimizer steps (or tokens: N)\n"
     else:
@@ -122,10 +122,19 @@ def cmd_init(model: str | None, gpu: str | None, budget: float | None, data: str
 
     from orchestrator.plan.spec import parse_spec
 
-    parse_spec(yaml.safe_load(text), str(out))
+    from orchestrator.plan.spec import anchor_paths
+    from orchestrator.run.uricheck import offline_problems
+
+    spec = anchor_paths(parse_spec(yaml.safe_load(text), str(out)), out.resolve().parent)
+    problems = [p for p in offline_problems(spec) if p.field == "trainer.data"]
+    later = ""
+    if problems and "dtrun data prepare" in problems[0].message:  # a local folder to fill later
+        later = f"\nnote: {problems[0].message}"
+    elif problems:  # a URI that can never work (malformed, unknown scheme, package missing)
+        raise UsageError(f"--data: {problems[0].message}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    print(f"wrote {out}: {model} on {gpus}× {g}, budget ${budget:g}. Next: dtrun up {out} --dry-run")
+    print(f"wrote {out}: {model} on {gpus}× {g}, budget ${budget:g}. Next: dtrun up {out} --dry-run{later}")
     return EXIT_OK
 
 # ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------

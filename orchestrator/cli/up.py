@@ -412,15 +412,17 @@ def cmd_dry_run(job: Path, json_out: bool, strict: bool = False, force: bool = F
     if plan.chosen is None:
         from rich.markup import escape
 
+        exit5 = "; exit 5" if code == EXIT_PROVIDER else ""  # a refusal above (exit 4) decides the code
+
         if plan.would_choose is not None:
             w = plan.would_choose
             _console(stderr=True).print(
-                f"[red]No usable provider (nothing rented; exit 5):[/] would choose {escape(w.key())} once its "
+                f"[red]No usable provider (nothing rented{exit5}):[/] would choose {escape(w.key())} once its "
                 f"credentials are set: {escape(plan.unusable.get(w.provider, ''))}. To explore without any "
                 f"account: `dtrun simulate {escape(str(job))}` (the real controller on a fake cloud).")
         elif plan.unusable:
             why = "; ".join(plan.unusable.values())
-            _console(stderr=True).print(f"[red]No usable provider (nothing rented; exit 5):[/] {escape(why)}")
+            _console(stderr=True).print(f"[red]No usable provider (nothing rented{exit5}):[/] {escape(why)}")
         else:
             why = "; ".join(plan.refusals) or "no provider offers this GPU"
             _console(stderr=True).print(f"[red]No offer fits:[/] {escape(why)}")

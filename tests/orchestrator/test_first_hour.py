@@ -52,6 +52,16 @@ def test_dry_run_without_any_account_human_output(no_credentials, capsys):
     assert "Would choose" in cap.out and "total" in cap.out and "Budget:" in cap.out
     assert "* needs credentials: runpod" in cap.out and "runpod*" in cap.out
     assert "once its credentials are set" in cap.err and "dtrun simulate" in cap.err
+    assert "(nothing rented; exit 5)" in cap.err
+
+
+def test_without_an_account_a_plan_that_does_not_fit_names_exit_4_only(no_credentials, capsys, tmp_path):
+    f = tmp_path / "big.yaml"
+    assert main(["init", "--model", "llama3-70b", "--gpu", "T4", "--out", str(f)]) == 0
+    capsys.readouterr()
+    assert main(["up", str(f), "--dry-run"]) == 4
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Refused (exit 4)" in err and "exit 5" not in err and "once its credentials are set" in err
 
 
 def test_some_usable_are_ranked_first_the_others_need_credentials(no_credentials, capsys, monkeypatch):
@@ -248,6 +258,23 @@ def test_init_for_a_gpu_passes_the_dry_run(tmp_path, capsys, provider_credential
     capsys.readouterr()
     rc, rep = _json(capsys, ["up", str(out), "--dry-run", "--json"])
     assert rc == 0 and rep["budget_usd"] == 40 and rep["chosen"]["gpu"].startswith("H100")
+
+
+def test_init_splits_the_batch_over_any_rank_count_and_refuses_a_data_uri_that_cannot_work(
+        tmp_path, capsys, monkeypatch, dtrun_home):
+    monkeypatch.chdir(tmp_path)
+    assert main(["init", "--gpus", "3", "--out", "three.yaml"]) == 0  # batch 8 over 3 ranks: none fitted
+    capsys.readouterr()
+    assert main(["up", "three.yaml", "--dry-run"]) == 0
+    capsys.readouterr()
+    for data, why in (("s3:/bucket/x", "is not a well-formed URI"), ("ftp://h/x", "cannot use ftp://")):
+        assert main(["init", "--data", data, "--out", "bad.yaml"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("dtrun: --data: trainer.data:") and why in err and len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "bad.yaml").exists()
+    assert main(["init", "--data", "./later", "--out", "later.yaml"]) == 0  # a folder to prepare later
+    out = capsys.readouterr().out
+    assert "note: trainer.data:" in out and "dtrun data prepare" in out and (tmp_path / "later.yaml").exists()
 
 
 def test_init_never_overwrites_without_force(tmp_path, capsys):
