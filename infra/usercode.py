@@ -57,6 +57,8 @@ from orchestrator.contract import runuri
 CODE_ARCHIVE = "code.tar.gz"
 DONE_WRITING = "DONE_WRITING"
 NODE_MARK = ".dtrun-node-"
+METRIC_ROWS_PER_BEAT = 4
+"""metrics.jsonl rows written per heartbeat at most (steps with a loss, thinned evenly)."""
 UPLOAD_STREAMS = 8
 """Files of one checkpoint uploaded (or restored) at once."""
 COMMIT_WAIT_SECONDS = 300.0
@@ -187,7 +189,17 @@ class Progress:
     loss: float | None = None
     lines: int = 0
     changed_at: float = 0.0
+    rows: list = field(default_factory=list)  # (step, loss, time) of each new step with a loss
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take_rows(self, most: int = 4) -> list:
+        """The steps seen since the last call, thinned evenly to ``most`` (the newest kept)."""
+        with self.lock:
+            rows, self.rows = self.rows, []
+        if len(rows) > most:
+            k = len(rows) / most
+            rows = [rows[len(rows) - 1 - int(i * k)] for i in range(most)][::-1]
+        return rows
 
     def feed(self, line: str) -> None:
         self.lines += 1
@@ -216,6 +228,8 @@ class Progress:
             if self.step is None or step >= self.step:  # ranks print the same step; keep the newest
                 if step != self.step:
                     self.changed_at = time.time()
+                    if loss is not None:
+                        self.rows.append((step, loss, self.changed_at))
                 self.step = step
                 if total:
                     self.steps = total
@@ -448,12 +462,16 @@ class UserCommand:
                "time": now, "attempt": self.cfg.attempt, "last_committed_step": self.last_committed,
                "phase": self.phase, "source": "command", "host": socket.gethostname()}
         runuri.write_json(runuri.join(self.cfg.run_uri, runuri.PROGRESS), rec)
-        if step is not None and step != self._last_metric_step:
-            self._last_metric_step = step
-            row = {"step": step, "time": now, "attempt": self.cfg.attempt}
-            if loss is not None:
-                row["loss"] = loss
-            runuri.append_line(runuri.join(self.cfg.run_uri, runuri.METRICS), json.dumps(row, sort_keys=True))
+        # metrics.jsonl: the steps whose lines carried a loss since the last beat, at most
+        # METRIC_ROWS_PER_BEAT of them (on S3 the file is rewritten per append: it must stay small)
+        rows = [{"step": st, "loss": ls, "time": t, "attempt": self.cfg.attempt}
+                for st, ls, t in p.take_rows(METRIC_ROWS_PER_BEAT)]
+        if not rows and step is not None and step != self._last_metric_step:
+            rows = [{"step": step, "time": now, "attempt": self.cfg.attempt}]
+        if rows:
+            self._last_metric_step = rows[-1]["step"]
+            runuri.append_line(runuri.join(self.cfg.run_uri, runuri.METRICS),
+                               "\n".join(json.dumps(r, sort_keys=True) for r in rows))
 
     def sync(self, exited: bool) -> list[int]:
         """Upload and commit every finished checkpoint not yet in the store; the steps committed."""

@@ -188,3 +188,17 @@ def test_argv_expands_only_dtrun_variables_never_a_secret(tmp_path, monkeypatch)
     argv = s.argv()
     assert argv[-4:] == ["--out", s.ckpt_dir, "--key", "$AWS_SECRET_ACCESS_KEY"]
     assert "s3cr3t-value-123" not in " ".join(argv)
+
+
+def test_metrics_rows_follow_the_steps_with_a_loss_thinned_per_beat(tmp_path, monkeypatch):
+    uri = f"file://{tmp_path}/run"
+    s = _session(tmp_path, uri, monkeypatch=monkeypatch)
+    for i in range(1, 11):
+        s.progress.feed(f"step {i}/10 loss {1 / i:.3f}")
+    s.write_progress()
+    s.progress.feed("step 11/10 loss 0.05")
+    s.write_progress()
+    s.write_progress()  # nothing new: no row
+    rows = [json.loads(x) for x in runuri.read_text(runuri.join(uri, runuri.METRICS)).splitlines()]
+    assert [r["step"] for r in rows] == [3, 5, 8, 10, 11]  # four per beat at most, evenly, the newest kept
+    assert rows[-1]["loss"] == 0.05 and all("loss" in r for r in rows)
