@@ -35,7 +35,8 @@ def cmd_check(job: Path | None, online: bool, json_out: bool, timeout: float) ->
         if i.group != group:
             group = i.group
             print(f"{group}:")
-        line = f"  {MARK[i.ok]} {i.name}: {i.detail}"
+        detail = i.detail[len(i.name) + 2:] if i.detail.startswith(f"{i.name}: ") else i.detail  # named once
+        line = f"  {MARK[i.ok]} {i.name}: {detail}"
         if i.ok is False and i.fix:
             line += f" → {i.fix}"
         print(line)

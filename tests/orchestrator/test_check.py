@@ -256,3 +256,11 @@ def test_a_command_job_checks_its_run_uri_and_leaves_its_data_to_it(tmp_path, ho
     rc, items, _ = _check(capsys, str(f))
     assert rc == 0 and items["checkpoint.uri"]["ok"] is True
     assert items["command"]["ok"] is None and "its own data" in items["command"]["detail"]
+
+
+def test_a_failed_item_names_its_field_once(tmp_path, home, api, capsys):
+    f = _job(tmp_path, checkpoint__uri="s3:/my-bucket/runs/{name}")
+    assert main(["check", str(f)]) == 6
+    text = capsys.readouterr().out
+    assert "✗ checkpoint.uri: 's3:/my-bucket/runs/chk' is not a well-formed URI" in text
+    assert "checkpoint.uri: checkpoint.uri:" not in text
