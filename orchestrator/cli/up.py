@@ -515,6 +515,12 @@ def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None, refresh: bool
                   "spot" if row["spot"] else "on-demand", f"{row['price_per_gpu_hour']:.2f}",
                   row["price_source"] + (f" ({row['note']})" if row["note"] else ""))
     con.print(t)
+    if gpu is not None and not rows:  # an empty table says nothing by itself
+        from rich.markup import escape
+
+        priced = sorted({r.gpu for r in all_rows(None)})
+        con.print(escape(f"no provider lists a price for {gpu}" + (" (local CPU runs are free: providers: [local])"
+                  if gpu == "cpu" else "") + f"; GPUs with prices: {', '.join(priced)}"))
     for name, c in caps.items():
         parts = []
         for k in ("spot", "multi_node"):

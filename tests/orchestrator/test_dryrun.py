@@ -154,6 +154,13 @@ def test_prices_json(capsys):
     assert caps["vast"]["spot"]["supported"] is True
 
 
+def test_prices_for_a_gpu_nobody_prices_says_so_and_lists_the_priced_ones(capsys):
+    assert main(["prices", "cpu"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no provider lists a price for cpu (local CPU runs are free: providers: [local])" in out
+    assert "GPUs with prices: " in out and "H100" in out
+
+
 def test_prices_unknown_gpu_exit_2(capsys):
     assert main(["prices", "H900"]) == 2
     assert "H900" in capsys.readouterr().err
