@@ -7,6 +7,7 @@ import concurrent.futures
 import os
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -288,3 +289,68 @@ def test_ep_dispatch_stays_out_of_the_compiled_graph(tmp_path):
     for first, graphs, breaks in re.findall(r"FIRST=(\d+) GRAPHS=(\d+) BREAKS=(\d+)", out):
         assert int(graphs) == int(first) and int(breaks) <= 2, out
     assert out.count("GRAPHS=") == 2, out
+
+
+_HANG_SCRIPT = r'''
+import os, signal, sys, threading, time
+from trainer import checkpoint
+from trainer.train import main
+
+def hang(self, timeout=None):  # a collective whose peer vanished mid emergency save
+    time.sleep(3600)
+
+checkpoint.CheckpointManager.settle = hang
+
+def notice():
+    while not os.path.exists(sys.argv[2]):
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=notice, daemon=True).start()
+sys.exit(main(["--job", sys.argv[1]]))
+'''
+
+
+@pytest.mark.slow
+def test_emergency_path_hard_exits_75_at_the_notice(tmp_path):
+    """Whatever the emergency save's collectives do, a SIGTERMed trainer exits 75 by the notice
+    plus HARD_EXIT_MARGIN_S (here: settle() hangs, as a broadcast to a vanished peer would)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from orchestrator.contract import runuri
+
+    run = tmp_path / "run"
+    spec = {"name": "hard-exit", "resources": {"providers": ["local"], "gpu": "cpu"},
+            "trainer": {"model": "tiny", "steps": 10000, "batch_size": 2, "seq_len": 16, "precision": "fp32",
+                        "heartbeat_seconds": 0.2, "log_every": 1},
+            "checkpoint": {"uri": f"file://{run}", "every_steps": 1000}}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    script = tmp_path / "hang.py"
+    script.write_text(_HANG_SCRIPT)
+    flag = tmp_path / "go"
+    env = {**os.environ, "DTRUN_PREEMPTION_NOTICE_S": "2", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    p = subprocess.Popen([sys.executable, str(script), str(job), str(flag)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.time() + 120
+        while time.time() < end:
+            try:
+                if (runuri.read_json(f"file://{run}/progress.json") or {}).get("step", 0) >= 3:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        flag.write_text("")
+        t0 = time.time()
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 75, out[-3000:]
+    assert "did not finish within the notice (2 s + 5 s)" in out, out[-2000:]
+    assert time.time() - t0 < 30, out[-2000:]
