@@ -162,6 +162,34 @@ def _stager(pinned: bool):
                                         use_async_staging=False, use_non_blocking_copy=False))
 
 
+STAGING_HOST_FRACTION = 0.8
+"""Async saves keep a pinned copy of every rank's model and optimizer state in host memory for the
+whole run; on a GPU node whose available memory cannot hold this many times the node's copies,
+saves are made synchronously instead (no staging copy), with a warning."""
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes of ``MemAvailable`` (Linux), None where unknown."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def staging_fits(per_rank_bytes: int, local_ranks: int, available: int | None) -> tuple[bool, str]:
+    """Whether the node's ranks' pinned staging copies fit its available host memory, and why."""
+    need = per_rank_bytes * local_ranks
+    if available is None:
+        return True, "available host memory unknown"
+    ok = need <= STAGING_HOST_FRACTION * available
+    return ok, (f"async checkpoint staging needs {need / 2**30:.1f} GiB of pinned host memory on this node "
+                f"({local_ranks} ranks × {per_rank_bytes / 2**30:.1f} GiB), {available / 2**30:.1f} GiB available")
+
+
 def emergency_plan(elapsed_s: float, inflight_left_s: float | None, save_s: float | None,
                    notice_s: float = NOTICE_S, margin_s: float = 3.0) -> tuple[float, bool]:
     """At a preemption notice: (seconds to wait for the in-flight upload, whether to save the

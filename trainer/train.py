@@ -274,6 +274,25 @@ class Run:
             if dist.is_initialized() and not self.abandoned_upload:  # an abandoned upload may still use it
                 dist.destroy_process_group()
 
+    def _staging_mode(self, params: list) -> str:
+        """``async``, or ``sync`` when the pinned staging copies of this node's ranks (fp32 weights
+        + optimizer state: at most 3× the local parameter bytes, AdamW's) do not fit its available
+        host memory. Every rank takes the same mode (one all-reduce)."""
+        import torch
+        import torch.distributed as dist
+
+        from trainer.checkpoint import mem_available, staging_fits
+
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params) * 4
+        ok, why = staging_fits(local * 3, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), mem_available())
+        flag = torch.tensor([1.0 if ok else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item() >= 1:
+            return "async"
+        log.warning("checkpoint.async_mode async → sync (every rank saves the same way): %s", why)
+        return "sync"
+
     def _trackers(self):
         t = self.spec.trainer
         if not t.trackers or self.rank != 0:
@@ -361,7 +380,10 @@ class Run:
             evaluator.check()
         describe = {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate,
                     "dp_replicate": dims.dp_replicate}
-        ckpt = CheckpointManager(self.run_uri, keep=spec.checkpoint.keep, async_mode=spec.checkpoint.async_mode,
+        async_mode = spec.checkpoint.async_mode
+        if on_gpu and async_mode == "async":
+            async_mode = self._staging_mode(params)
+        ckpt = CheckpointManager(self.run_uri, keep=spec.checkpoint.keep, async_mode=async_mode,
                                  rank=self.rank, world_size=self.world, dp_rank=dp_rank, describe=describe,
                                  pinned=on_gpu, timeout=collective_timeout(spec))
         if scaler.enabled:
