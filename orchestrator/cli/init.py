@@ -112,7 +112,11 @@ def cmd_init(model: str | None, gpu: str | None, budget: float | None, data: str
     local = g == "cpu"
     if budget is None:
         default = DEFAULT_BUDGET_USD["cpu" if local else "gpu"]
-        budget = float(_ask("Budget in USD (budget.max_usd)", f"{default:g}")) if _tty() else default
+        answer = _ask("Budget in USD (budget.max_usd)", f"{default:g}") if _tty() else f"{default:g}"
+        try:
+            budget = float(answer.lstrip("$").replace(",", ""))
+        except ValueError:
+            raise UsageError(f"budget: {answer!r} is not a number of USD (e.g. 50)") from None
     if budget <= 0:
         raise UsageError("--budget: must be more than 0 USD")
     gpus = gpus or (2 if local else 1)

@@ -302,6 +302,12 @@ def test_init_asks_on_a_terminal(tmp_path, capsys, monkeypatch, provider_credent
     assert spec["trainer"]["model"] == "gpt2-124m" and spec["resources"]["gpu"] == "A100-80GB"
     assert spec["budget"]["max_usd"] == 30 and spec["trainer"]["data"] == "synthetic"
     assert main(["up", str(out), "--dry-run"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n\n\nfifty\n"))  # was a ValueError: 'internal error', exit 1
+    assert main(["init", "--out", str(tmp_path / "typo.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "budget: 'fifty' is not a number" in err and "internal error" not in err
+    assert not (tmp_path / "typo.yaml").exists()
 
 
 def test_version(capsys):
