@@ -134,8 +134,17 @@ def _handle(e: Exception) -> int:
     exits, usage, aborts = _click_errors()
     if isinstance(e, exits):
         return e.exit_code  # type: ignore[attr-defined]
-    if isinstance(e, usage):
+    if isinstance(e, usage) and type(e).__name__ == "NoArgsIsHelpError":  # `dtrun data`: the help itself
         e.show()  # type: ignore[attr-defined]
+        return e.exit_code  # type: ignore[attr-defined]
+    if isinstance(e, usage):  # one line like every other refusal, naming the option and where help is
+        ctx = getattr(e, "ctx", None)
+        names, c = [], ctx
+        while c is not None and c.parent is not None:  # the root's name is the program's
+            names.insert(0, c.info_name)
+            c = c.parent
+        hint = "" if ctx is None else f" (see `{' '.join(['dtrun', *names, '--help'])}`)"
+        typer.echo(f"dtrun: {' '.join(e.format_message().split())}{hint}", err=True)  # type: ignore[attr-defined]
         return e.exit_code  # type: ignore[attr-defined]
     if isinstance(e, aborts):
         typer.echo("aborted", err=True)

@@ -108,6 +108,8 @@ def test_bad_command_line_is_a_usage_error_exit_2(dtrun_home, argv, says):
         code = main(argv)
     assert code == 2, err.getvalue()
     assert says in err.getvalue() and "internal error" not in err.getvalue()
+    assert len(err.getvalue().strip().splitlines()) == 1 and err.getvalue().startswith("dtrun: ")  # one line
+    assert "--help" in err.getvalue()
 
 
 def test_remote_nodes_get_a_bootstrap_command_that_exists_on_the_node(tmp_path):
@@ -178,3 +180,15 @@ def test_up_refuses_a_local_disk_run_uri_for_remote_nodes(dtrun_home, tmp_path, 
     assert ei.value.exit_code == EXIT_INVALID
     assert "checkpoint.uri" in str(ei.value) and "s3://" in str(ei.value) and "rk-test" not in str(ei.value)
     assert StateStore().get_job("rp") is None
+
+
+def test_a_group_without_its_subcommand_still_shows_its_help(dtrun_home, capsys):
+    from orchestrator.cli.app import main
+
+    assert main(["data"]) == 2
+    cap = capsys.readouterr()
+    assert "prepare" in cap.out + cap.err and "tokenizer" in cap.out + cap.err
+    assert main(["init", "--gpus", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("dtrun: Invalid value for '--gpus': Input should be greater than or equal to 1 "
+                           "(see `dtrun init --help`)")
