@@ -199,9 +199,11 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
         rows = report.get("offers") or []
         fit = [bool(r.get("fits_memory", True)) for r in rows] or [True] * len(ranked)
         n_fit = sum(fit)
-        title = ("Offers (cheapest expected cost first); every one fits memory" if n_fit == len(fit)
-                 else f"Offers (cheapest expected cost first); {n_fit} of {len(fit)} fit memory"
-                 if n_fit else "Offers (cheapest expected cost first); NONE fits memory")
+        order = ("cheapest expected cost first" if all(o.price_known for o, _e, _u in ranked)
+                 else "cheapest expected cost first, unknown spot prices last")
+        title = (f"Offers ({order}); every one fits memory" if n_fit == len(fit)
+                 else f"Offers ({order}); {n_fit} of {len(fit)} fit memory"
+                 if n_fit else f"Offers ({order}); NONE fits memory")
         if plan.locked:
             title += ("; * needs credentials (all)" if not plan.offers
                       else f"; * needs credentials (the last {len(plan.locked)})")

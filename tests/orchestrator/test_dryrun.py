@@ -235,3 +235,12 @@ def test_the_schema_describes_every_documented_field():
                 assert props[field].get("description"), (name, field)
     assert schema["$defs"]["ModelSpec"]["properties"]["vocab_size"]["description"]
     assert schema["$defs"]["Trainer"]["properties"]["parallel"]["description"]
+
+
+def test_the_offers_title_says_unknown_spot_prices_rank_last(capsys):
+    rc, out = run_json(capsys, ["up", str(GPT2), "--dry-run", "--json"])
+    unknown = [o for o in out["offers"] if not o["price_known"]]
+    assert unknown, "this job has spot offers without a known spot price"
+    main(["up", str(GPT2), "--dry-run"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Offers (cheapest expected cost first, unknown spot prices last)" in text
