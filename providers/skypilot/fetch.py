@@ -153,6 +153,21 @@ def fetch_lambda(out: Path) -> dict[str, Any]:
     return {}
 
 
+def _masked(text: str) -> str:
+    """``text`` with every provider key replaced by ``<key>`` (an SDK's error may quote the request,
+    and this line reaches the terminal and the refresh record)."""
+    from providers.skypilot.credentials import read_key
+
+    for cloud in ("runpod", "lambda", "vast"):
+        try:
+            key = read_key(cloud)
+        except Exception:  # noqa: BLE001 — an unreadable key file has nothing to mask
+            key = None
+        if key and len(key) >= 8:
+            text = text.replace(key, "<key>")
+    return text
+
+
 def main(argv: list[str]) -> int:
     cloud, out = argv[0], Path(argv[1])
     current = Path(argv[2]) if len(argv) > 2 else Path("/nonexistent")
@@ -171,7 +186,7 @@ def main(argv: list[str]) -> int:
         print(f"{cloud} fetcher exited with {e.code}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 — any failure of a third-party fetcher: one line, exit 1
-        msg = " ".join(str(e).split())[:300] or type(e).__name__
+        msg = " ".join(_masked(str(e)).split())[:300] or type(e).__name__
         print(f"{cloud} fetcher failed: {type(e).__name__}: {msg}", file=sys.stderr)
         return 1
     (out / "spot.json").write_text(json.dumps(spot, sort_keys=True))

@@ -123,3 +123,23 @@ def test_export_lists_secret_keys_without_values_and_sky_launch_fills_them(tmp_p
     job.write_text(job.read_text().replace("s3://bucket/runs/{name}", "file:///tmp/x/{name}"))
     assert main(["export", str(job), "--skypilot"]) == 0
     assert "secrets" not in yaml.safe_load(capsys.readouterr().out)
+
+
+def test_a_price_fetchers_error_line_never_quotes_a_key(tmp_path, monkeypatch, capsys):
+    """providers/skypilot/fetch.py prints the fetcher's exception (it reaches the terminal and the
+    refresh record): an SDK error quoting the request URL with the key in it is masked."""
+    from providers.skypilot import fetch
+    from tests.conftest import write_provider_credentials
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_provider_credentials(tmp_path)
+
+    def leaky(out):
+        raise ConnectionError("GET https://console.vast.ai/api/v0/bundles/?api_key=vast-placeholder failed; "
+                              "runpod rp-placeholder, lambda lambda-placeholder")
+
+    monkeypatch.setattr(fetch, "fetch_vast", leaky)
+    assert fetch.main(["vast", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "vast fetcher failed: ConnectionError" in err and err.count("<key>") == 3
+    assert "placeholder" not in err
