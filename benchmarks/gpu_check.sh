@@ -10,7 +10,8 @@
 #  bf16-1gpu  $MODEL bf16 + compile, 1 GPU, async checkpoints every 10 steps (pinned staging):
 #             tokens/s and MFU (causal attention FLOPs), planner bytes (no headroom, no fixed
 #             allowance) vs every rank's max_memory_allocated AND max_memory_reserved, the loop's
-#             checkpoint stall per save
+#             checkpoint stall per save, and the device memory outside the allocator (driver view −
+#             reserved: CUDA context, NCCL buffers) against the planner's fixed 2 GB
 #  resume     the same run URI, 10 more steps: resumed from the last COMMITTED step, DONE reached,
 #             final loss (GPU runs are not bitwise reproducible: the loss is reported, not compared)
 #  sigterm    SIGTERM to torchrun mid-run: exit 75, progress.json "preempted", the stopped step
@@ -84,7 +85,7 @@ run() {  # name ngpus model steps parallel fp8 every
 report() {  # name ngpus strategy
   say "$("$PY" - "$OUT" "$1" "$2" "$3" <<'PYEOF'
 import json, re, sys
-from orchestrator.plan.planner import evaluate_rung
+from orchestrator.plan.planner import FIXED_OVERHEAD_BYTES, evaluate_rung
 from orchestrator.plan.spec import load_spec
 out, name, n, strategy = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 prog = json.load(open(f"{out}/run-{name}/progress.json"))
@@ -96,6 +97,7 @@ predicted = rung.memory_bytes - rung.breakdown["overhead"]
 ranks = [r or {} for r in done["state_bytes_per_rank"]]
 alloc = [r.get("cuda_max_allocated") for r in ranks]
 resv = [r.get("cuda_max_reserved") for r in ranks]
+used = [r.get("cuda_device_used") for r in ranks]
 log = open(f"{out}/{name}.log", errors="replace").read()
 rec = {"check": name, "gpus": n, "tokens_per_s": prog.get("tokens_per_s"), "mfu": prog.get("mfu"),
        "mfu_counts": "6·N + 6·L·d·T (causal attention)", "final_loss": done["loss"],
@@ -103,6 +105,9 @@ rec = {"check": name, "gpus": n, "tokens_per_s": prog.get("tokens_per_s"), "mfu"
        "max_memory_allocated": alloc, "max_memory_reserved": resv,
        "planner_over_reserved": round(predicted / max(resv), 3) if all(resv) else None,
        "planner_over_allocated": round(predicted / max(alloc), 3) if all(alloc) else None,
+       "device_used": used,  # the driver's view at the last step: reserved + CUDA context + NCCL buffers
+       "outside_allocator_gb": round(max(u - r for u, r in zip(used, resv)) / 1e9, 2) if all(used) and all(resv) else None,
+       "planner_fixed_gb": FIXED_OVERHEAD_BYTES / 1e9,  # what the planner allows for it
        "graph_breaks": len(re.findall(r"Graph break", log)), "recompiles": len(re.findall(r"Recompiling", log)),
        "target_planner": "reserved within 15% of the planner"}
 rec["ok"] = rec["planner_over_reserved"] is None or abs(rec["planner_over_reserved"] - 1) <= 0.15

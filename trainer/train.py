@@ -471,6 +471,8 @@ class Run:
                     if on_gpu:  # for benchmarks/gpu_check.sh: planner bytes vs the allocator's peaks
                         state_bytes["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device))
                         state_bytes["cuda_max_reserved"] = int(torch.cuda.max_memory_reserved(device))
+                        free, total = torch.cuda.mem_get_info(device)  # the driver's view (nvidia-smi)
+                        state_bytes["cuda_device_used"] = int(total - free)  # + context, NCCL buffers
                 optimizer.zero_grad(set_to_none=True)
                 if moe_layers and any(m.balance == "bias" for m in moe_layers):
                     counts = torch.stack([m.tokens_per_expert for m in moe_layers])
