@@ -196,10 +196,16 @@ def step_floor_seconds(spec: JobSpec, gpus: int | None = None) -> float:
     return ops * SECONDS_PER_OP
 
 
+def flops_device(spec: JobSpec, gpu: str) -> str:
+    """Whose peak FLOP/s the estimate uses: the CPU's when ``trainer.device: cpu`` trains CPU ranks
+    on a GPU node (priced as the GPU node, timed as CPUs), else the GPU's."""
+    return "cpu" if spec.trainer is not None and spec.trainer.device == "cpu" else gpu
+
+
 def compute_step_seconds(spec: JobSpec, gpu: str | None = None, gpus: int | None = None) -> float:
     """Seconds per optimizer step from FLOPs alone at the assumed MFU (recompute included)."""
     t = spec.trainer
-    g = GPUS[gpu or spec.resources.gpu]
+    g = GPUS[flops_device(spec, gpu or spec.resources.gpu)]
     n = gpus or spec.resources.total_gpus
     flops = 6.0 * t.model_spec.active_params() * t.tokens_per_step * RECOMPUTE_FACTOR[t.activation_checkpointing]
     return flops / (n * g.peak_bf16_flops * spec.budget.mfu)
@@ -423,7 +429,7 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
         "active_params": w["active_params"],
         "tokens": w["tokens"],
         "steps": steps,
-        "peak_flops_per_gpu": GPUS[offer.gpu].peak_bf16_flops,
+        "peak_flops_per_gpu": GPUS[flops_device(spec, offer.gpu)].peak_bf16_flops,
         "mfu": b.mfu,
         "step_seconds": step_s,
         "compute_hours": compute_h,

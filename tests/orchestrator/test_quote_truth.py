@@ -113,3 +113,19 @@ def test_tiny_job_step_has_a_floor(capsys, tmp_path):
     assert b["compute_hours"] * 60 > 1.0                     # not "0.0 min"
     rc, text = dry(capsys, f, json_out=False)
     assert "the per-step floor" in text
+
+
+def test_cpu_ranks_on_a_gpu_node_are_timed_as_cpus_and_priced_as_the_node(capsys, tmp_path):
+    from orchestrator.contract.gpus import GPUS
+
+    f = job_file(tmp_path, resources__spot=False, resources__providers=["runpod"])
+    rc, gpu_run = dry(capsys, f)
+    data = yaml.safe_load(f.read_text())
+    data["trainer"]["device"] = "cpu"  # the smoke run of the launch path
+    f.write_text(yaml.safe_dump(data))
+    rc, cpu_run = dry(capsys, f)
+    g, c = gpu_run["breakdown"], cpu_run["breakdown"]
+    assert c["peak_flops_per_gpu"] == GPUS["cpu"].peak_bf16_flops
+    assert c["compute_hours"] == pytest.approx(g["compute_hours"] * g["peak_flops_per_gpu"] / GPUS["cpu"].peak_bf16_flops,
+                                               rel=1e-6)
+    assert c["price_per_hour"] > 0 and c["price_per_hour"] == pytest.approx(cpu_run["chosen"]["price_per_hour"])  # the node
