@@ -71,8 +71,11 @@ class DtrunCallback(TrainerCallback):
                     t = t.cuda()
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 flag = bool(t.item())
-        except (ImportError, RuntimeError):
-            pass
+        except (ImportError, RuntimeError) as e:  # the group is broken: say so once, keep this rank's flag
+            if not getattr(self, "_warned", False):
+                self._warned = True
+                print(f"dtrun: the ranks cannot agree on a stop step ({type(e).__name__}: {e}); this rank "
+                      "follows its own SIGTERM", file=sys.stderr, flush=True)
         return flag
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -202,3 +202,29 @@ def test_metrics_rows_follow_the_steps_with_a_loss_thinned_per_beat(tmp_path, mo
     rows = [json.loads(x) for x in runuri.read_text(runuri.join(uri, runuri.METRICS)).splitlines()]
     assert [r["step"] for r in rows] == [3, 5, 8, 10, 11]  # four per beat at most, evenly, the newest kept
     assert rows[-1]["loss"] == 0.05 and all("loss" in r for r in rows)
+
+
+def test_the_hf_callback_says_once_when_the_ranks_cannot_agree_on_a_stop_step(monkeypatch, capsys):
+    import signal
+
+    import torch.distributed as dist
+
+    from infra.adapters.hf import DtrunCallback
+
+    prev = signal.getsignal(signal.SIGTERM)
+    try:
+        cb = DtrunCallback(exit_on_stop=False)
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+        monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+
+        def broken(*a, **k):
+            raise RuntimeError("Connection closed by peer")
+
+        monkeypatch.setattr(dist, "all_reduce", broken)
+        cb.signalled = True
+        assert cb._agreed() is True and cb._agreed() is True  # its own flag
+        err = capsys.readouterr().err
+        assert err.count("cannot agree on a stop step") == 1 and "Connection closed by peer" in err
+    finally:
+        signal.signal(signal.SIGTERM, prev)
