@@ -341,6 +341,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow  # real torchrun
 def test_ranks_agree_on_last_committed_when_rank0_commit_write_fails(tmp_path):
     # Otherwise rank 0 alone would enter the final/emergency collective save and hang.
     from tests.trainer.conftest import torchrun_script
@@ -400,6 +401,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow  # real torchrun
 @pytest.mark.parametrize("mode,want", [("transient", 2), ("corrupt", 1)])
 def test_metadata_read_failing_on_one_rank_keeps_every_rank_on_the_same_branch(tmp_path, mode, want):
     """A storage error on one rank: every rank retries the same checkpoint (and resumes it once
