@@ -9,6 +9,7 @@ module; it imports nothing heavy.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -608,6 +609,10 @@ def _command_problems(c: Command) -> list[tuple[str, str]]:
         return [("run", f"cannot split {c.run!r} into words: {e}")]
     if not words:
         return [("run", "is empty")]
+    if c.torchrun and os.path.basename(words[0]) in ("torchrun", "accelerate", "deepspeed"):
+        return [("run", f"{c.run!r}: dtrun already runs the command under torchrun (one process per GPU, "
+                        "rendezvous across nodes); give the script and its arguments, or set "
+                        f"command.torchrun: false to run {words[0]!r} yourself")]
     if c.torchrun and _PYTHON.fullmatch(words[0]):
         return [("run", f"{c.run!r}: under torchrun (command.torchrun: true) give the script as torchrun takes "
                         f"it ({' '.join(words[1:]) or 'train.py'!s}, or -m pkg.train), without {words[0]!r}; "

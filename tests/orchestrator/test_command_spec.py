@@ -183,6 +183,7 @@ def test_weights_and_sample_refuse_a_command_job_exit_2(capsys, tmp_path):
     ({"run": "missing.py --lr 3e-4"}, "command.run: missing.py is not in the code folder"),
     ({"run": "python missing.py", "torchrun": False}, "command.run: missing.py is not in the code folder"),
     ({"run": "train.py 'unclosed"}, "command.run: cannot split"),
+    ({"run": "torchrun --nproc-per-node 8 train.py"}, "dtrun already runs the command under torchrun"),
     ({"requirements": "requirements.txt"}, "command.requirements: requirements.txt is not a file in the code folder"),
 ])
 def test_a_command_that_cannot_start_on_a_node_is_refused_before_renting(capsys, tmp_path, change, field):
@@ -195,6 +196,7 @@ def test_a_command_that_cannot_start_on_a_node_is_refused_before_renting(capsys,
 @pytest.mark.parametrize("change", [
     {"run": "train.py --lr 3e-4"}, {"run": "-m pkg.train"}, {"run": "python train.py", "torchrun": False},
     {"run": "bash -c 'python train.py'", "torchrun": False}, {"run": "$DTRUN_CODE_DIR/gen.py"},
+    {"run": "torchrun --nproc-per-node 2 train.py", "torchrun": False},
 ])
 def test_commands_torchrun_or_bash_can_run_pass(capsys, tmp_path, change):
     rc, out, err = dry(capsys, write_job(tmp_path / "j", hours=1, **change))
