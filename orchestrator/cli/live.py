@@ -58,7 +58,7 @@ def build_line(b: dict[str, Any], now: float | None = None) -> str:
 
 def progress_line(s: dict[str, Any]) -> str:
     step = s["step"] if s["step"] is not None else 0
-    steps = s["steps"] or 0
+    steps = s["steps"] or "?"  # a command job without command.steps: the total is unknown until it prints one
     parts = [f"{s['state']}", f"step {step}/{steps}"]
     if s.get("build"):
         parts = [f"{s['state']}", build_line(s["build"])]

@@ -101,3 +101,12 @@ def test_status_shows_the_validation_loss_and_points_to_the_report(history, caps
     from orchestrator.cli.live import progress_line, snapshot
 
     assert "val 2.4000" in progress_line(snapshot(history[0], "rep"))
+
+
+def test_the_live_line_of_a_job_with_no_known_total_says_so():
+    from orchestrator.cli.live import progress_line
+
+    s = {"state": "RUNNING", "step": None, "steps": None, "loss": None, "tokens_per_s": None, "cost": 0.0,
+         "budget": 1.0, "attempt": 1, "attempts": 1}
+    line = progress_line(s)
+    assert "step 0/?" in line and "0/0" not in line
