@@ -219,6 +219,9 @@ def test_close_runs_when_start_fails_after_using_the_providers(tmp_path):
     (tmp_path / "run").write_text("a file where the run directory should be\n")
     store = StateStore(tmp_path / "state.db")
     c = Controller(_spec(tmp_path), store, clock=clock, providers={"fake": cloud}, write_lease=False)
-    with pytest.raises(OSError):
+    from orchestrator.run.uricheck import UriRefused
+
+    with pytest.raises(UriRefused):  # the job ends FAILED, exit 6 (was: the bare OSError)
         c.run()
     assert cloud.closed == 1
+    assert store.get_job(c.spec.name)["state"] == "FAILED"
