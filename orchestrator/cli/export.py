@@ -164,6 +164,10 @@ def cmd_export(job: Path, skypilot: bool) -> int:
     from orchestrator.plan.spec import load_spec
 
     spec = load_spec(job)
+    if spec.command is not None:  # its nodes unpack <run-uri>/code.tar.gz, which only `dtrun up` packs
+        raise UsageError(f"{job}: runs your own command, whose code reaches its nodes as "
+                         f"{spec.run_uri}/code.tar.gz, packed by `dtrun up` before the launch: a task exported "
+                         "for a plain `sky launch` would find no code. Run it with `dtrun up`")
     cfg, notes = skypilot_task(spec)
     validated = True
     try:

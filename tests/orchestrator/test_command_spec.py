@@ -172,6 +172,9 @@ def test_weights_and_sample_refuse_a_command_job_exit_2(capsys, tmp_path):
     job = write_job(tmp_path / "j", hours=1)
     assert main(["weights", str(job), "--out", str(tmp_path / "w")]) == 2
     assert "runs your own command" in capsys.readouterr().err
+    assert main(["export", str(job), "--skypilot"]) == 2  # its nodes would find no code.tar.gz
+    err = capsys.readouterr().err
+    assert "code.tar.gz" in err and "dtrun up" in err and len(err.strip().splitlines()) == 1
     assert main(["profile", str(job), "--steps", "2"]) == 2  # was an AttributeError (exit 1)
     err = capsys.readouterr().err
     assert "runs your own command" in err and "Traceback" not in err and "internal error" not in err
