@@ -356,7 +356,9 @@ class UserCommand:
     def _setup(self) -> None:
         req = self.c.get("requirements")
         if req:
-            self._run_setup(f"{sys.executable} -m pip install -r {req}")
+            import shlex
+
+            self._run_setup(f"{shlex.quote(sys.executable)} -m pip install -r {shlex.quote(str(req))}")
         for cmd in self.c.get("setup") or []:
             self._run_setup(cmd)
 

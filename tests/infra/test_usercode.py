@@ -228,3 +228,12 @@ def test_the_hf_callback_says_once_when_the_ranks_cannot_agree_on_a_stop_step(mo
         assert err.count("cannot agree on a stop step") == 1 and "Connection closed by peer" in err
     finally:
         signal.signal(signal.SIGTERM, prev)
+
+
+def test_the_requirements_file_is_quoted_for_the_shell(tmp_path, monkeypatch):
+    s = _session(tmp_path, f"file://{tmp_path}/run", monkeypatch=monkeypatch)
+    s.c["requirements"] = "my reqs;touch pwned.txt"
+    ran = []
+    monkeypatch.setattr(s, "_run_setup", ran.append)
+    s._setup()
+    assert ran and ran[0].endswith("-m pip install -r 'my reqs;touch pwned.txt'")
