@@ -617,6 +617,9 @@ def _command_problems(c: Command) -> list[tuple[str, str]]:
         return [("run", f"{c.run!r}: under torchrun (command.torchrun: true) give the script as torchrun takes "
                         f"it ({' '.join(words[1:]) or 'train.py'!s}, or -m pkg.train), without {words[0]!r}; "
                         "or set command.torchrun: false to run it as given")]
+    if not c.torchrun and words[0].endswith(".py") and "/" not in words[0]:
+        return [("run", f"{c.run!r}: with command.torchrun: false the command runs as a shell would, which looks "
+                        f"{words[0]!r} up on PATH; write `python {c.run}`")]
     script = words[0] if c.torchrun else (words[1] if _PYTHON.fullmatch(words[0]) and len(words) > 1 else None)
     if (script and script.endswith(".py") and "$" not in script and not Path(script).is_absolute()
             and not (code / script).is_file()):

@@ -187,6 +187,7 @@ def test_weights_and_sample_refuse_a_command_job_exit_2(capsys, tmp_path):
     ({"run": "python missing.py", "torchrun": False}, "command.run: missing.py is not in the code folder"),
     ({"run": "train.py 'unclosed"}, "command.run: cannot split"),
     ({"run": "torchrun --nproc-per-node 8 train.py"}, "dtrun already runs the command under torchrun"),
+    ({"run": "train.py --lr 1", "torchrun": False}, "looks 'train.py' up on PATH; write `python train.py --lr 1`"),
     ({"requirements": "requirements.txt"}, "command.requirements: requirements.txt is not a file in the code folder"),
 ])
 def test_a_command_that_cannot_start_on_a_node_is_refused_before_renting(capsys, tmp_path, change, field):
