@@ -200,6 +200,34 @@ def probe_run_uri(uri: str) -> str | None:
     from orchestrator.contract import runuri
 
     key = runuri.join(uri, ".dtrun-check", f"probe-{uuid.uuid4().hex[:8]}")
+    made = _missing_folders(uri)  # a local run URI's folders the probe creates: removed after it
+    try:
+        return _probe(uri, key)
+    finally:
+        for folder in made:  # deepest first; one that holds anything now stays
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+
+
+def _missing_folders(uri: str) -> list[str]:
+    """The folders of a local ``uri`` that do not exist yet, deepest first (none for remote ones)."""
+    if scheme(uri) != "file":
+        return []
+    out, path = [], _local_path(uri)
+    while path and not os.path.exists(path):
+        out.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return out
+
+
+def _probe(uri: str, key: str) -> str | None:
+    from orchestrator.contract import runuri
+
     step = "write"
     try:
         runuri.write_text(key, "dtrun-check")

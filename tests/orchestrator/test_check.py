@@ -264,3 +264,15 @@ def test_a_failed_item_names_its_field_once(tmp_path, home, api, capsys):
     text = capsys.readouterr().out
     assert "✗ checkpoint.uri: 's3:/my-bucket/runs/chk' is not a well-formed URI" in text
     assert "checkpoint.uri: checkpoint.uri:" not in text
+
+
+def test_the_probe_leaves_no_folder_behind_and_keeps_the_ones_that_were_there(tmp_path, home, api, capsys):
+    from orchestrator.run.uricheck import probe_run_uri
+
+    (tmp_path / "kept").mkdir()
+    assert probe_run_uri(f"file://{tmp_path}/kept/runs/job") is None
+    assert (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "runs").exists()
+    (tmp_path / "used" / "runs" / "job").mkdir(parents=True)
+    (tmp_path / "used" / "runs" / "job" / "progress.json").write_text("{}")
+    assert probe_run_uri(f"file://{tmp_path}/used/runs/job") is None
+    assert sorted(p.name for p in (tmp_path / "used" / "runs" / "job").iterdir()) == ["progress.json"]
