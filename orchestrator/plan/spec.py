@@ -150,9 +150,9 @@ class Trainer(_Model):
     device: Literal["auto", "cpu"] = "auto"
     """Where the ranks compute. auto: CUDA when ``resources.gpu`` names a GPU (refused, exit 2, when
     CUDA cannot serve the node's ranks: never a silent fallback), CPU for ``gpu: cpu``. cpu: CPU
-    ranks over gloo even on a GPU node, chosen explicitly — a cheap smoke run of the whole launch
-    path (provisioning, setup, checkpoints, teardown) before the real one, and what the emulated
-    clouds' GPU-less nodes run. Priced as the node it rents."""
+    ranks over gloo even on a GPU node, chosen explicitly — a smoke run of the whole launch path
+    (provisioning, setup, checkpoints, preemption, teardown) on a small model before the real
+    run. Timed at CPU speed, priced as the node it rents."""
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     """Parameter/compute precision on GPU (FSDP2 mixed precision, fp32 reduce). CPU always runs fp32."""
     optimizer: Literal["adamw", "muon"] = "adamw"
