@@ -136,9 +136,17 @@ def _peer_lost_line(e: BaseException, committed: int | None = None) -> str:
             + (f" (step {committed})" if committed is not None else ""))
 
 
+# A collective fails on every survivor the moment a peer's process closes its sockets, whatever
+# the peer died of. Waiting this long before exiting 75 lets a peer that failed for a reason of its
+# own (a bad-config exit 2: bad data in its batch) reach torchrun first, so the node's exit code
+# (infra/torchrun_launch.py: 2 beats 75) names the cause instead of asking for an endless resume.
+PEER_LOST_GRACE_SECONDS = 3.0
+
+
 def _hard_exit(why: str) -> None:
-    """Exit 75 ("resume me") now: no interpreter shutdown, no process-group teardown (either can
-    block on a peer that is gone)."""
+    """Exit 75 ("resume me") after :data:`PEER_LOST_GRACE_SECONDS`: no interpreter shutdown, no
+    process-group teardown (either can block on a peer that is gone)."""
+    time.sleep(PEER_LOST_GRACE_SECONDS)
     print(f"dtrun trainer: rank {os.environ.get('RANK', '0')}: {why}; exit {EXIT_PREEMPTED}",
           file=sys.stderr, flush=True)
     logging.shutdown()

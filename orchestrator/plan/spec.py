@@ -639,7 +639,7 @@ def anchor_paths(spec: JobSpec, base: str | Path) -> JobSpec:
     if t is not None:
         upd["trainer"] = t.model_copy(update={
             "data": t.data if t.data == "synthetic" else anchored(t.data, base),
-            "val_data": anchored(t.val_data, base) if t.val_data else t.val_data})
+            "val_data": anchored(t.val_data, base) if t.val_data not in (None, "synthetic") else t.val_data})
     if spec.command is not None:
         code = (Path(base) / Path(spec.command.code).expanduser()).resolve()
         upd["command"] = spec.command.model_copy(update={"code": str(code)})

@@ -359,3 +359,17 @@ def test_a_run_uri_failing_at_the_controllers_start_ends_the_job_not_pending(tmp
     row = store.get_job("late")
     assert row["state"] == "FAILED" and "cannot be used" in row["reason"]
     assert cloud.instances() == []
+
+
+def test_synthetic_data_and_validation_are_not_anchored_as_paths(tmp_path):
+    """``data: synthetic`` and ``val_data: synthetic`` are names, not paths: anchoring the job file's
+    folder onto ``val_data`` made the trainer look for shards in ``<job folder>/synthetic``."""
+    from orchestrator.plan.spec import JobSpec, anchor_paths
+
+    spec = JobSpec.model_validate({"name": "anchor", "resources": {"providers": ["local"], "gpu": "cpu"},
+                                   "trainer": {"steps": 2, "data": "synthetic", "val_data": "synthetic",
+                                               "eval_every": 1},
+                                   "checkpoint": {"uri": "runs/{name}"}})
+    got = anchor_paths(spec, tmp_path)
+    assert got.trainer.data == "synthetic" and got.trainer.val_data == "synthetic"
+    assert str(tmp_path) in got.checkpoint.uri
