@@ -36,3 +36,115 @@ def sh(cmd: list[str], env: dict, timeout: float = 900, check: bool = True, cwd=
     if check and p.returncode != 0:
         raise AssertionError(f"{cmd} exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-4000:]}")
     return p
+
+
+@pytest.fixture(scope="session")
+def s3_lab(lab):
+    """moto S3 bound to the bridge's host IP (the nodes reach it there; nothing else does)."""
+    import uuid
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address=lab["DTRUN_LAB_HOST_IP"], port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    bucket = f"lab-{uuid.uuid4().hex[:8]}"
+    s3.create_bucket(Bucket=bucket)
+
+    def exists(key: str) -> bool:
+        return s3.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount", 0) > 0
+
+    def get(key: str) -> bytes:
+        return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def keys(prefix: str) -> list[str]:
+        return [o["Key"] for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+                for o in p.get("Contents", [])]
+
+    try:
+        yield {"env": env, "bucket": bucket, "url": url, "exists": exists, "get": get, "keys": keys}
+    finally:
+        server.stop()
+
+
+def dtrun(args: list[str], env: dict, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    import sys
+
+    return sh([sys.executable, "-m", "orchestrator.cli.app", *args], env, timeout=timeout, check=check, cwd=REPO)
+
+
+JOB = """\
+name: {name}
+resources:
+  providers: [{provider}]
+  gpu: H100-SXM
+  gpus_per_node: 2
+  nodes: {nodes}
+trainer:
+  model: tiny
+  parallel: {{dp_shard: {dp}, tp: 1}}
+  steps: {steps}
+  batch_size: 8
+  seq_len: 64
+  data: synthetic
+  precision: fp32
+  lr: 0.003
+  warmup_steps: 5
+  log_every: 5
+  heartbeat_seconds: 1
+checkpoint:
+  uri: {uri}
+  every_steps: {every}
+  keep: 2
+budget:
+  max_usd: 30.0
+  max_hours: 1
+teardown:
+  idle_minutes: 10
+recovery:
+  poll_seconds: 5
+  heartbeat_timeout_seconds: 600
+  backoff_seconds: 1
+"""
+
+
+def job_yaml(tmp_path, name: str, bucket: str, steps: int = 30, every: int = 10, nodes: int = 1,
+             provider: str = "lambda", uri: str | None = None) -> Path:
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(JOB.format(name=name, provider=provider, nodes=nodes, dp=2 * nodes, steps=steps, every=every,
+                            uri=uri or f"s3://{bucket}/{{name}}"))
+    return p
+
+
+def wait_until(pred, timeout: float, what: str, every: float = 1.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError(f"after {timeout:.0f} s: {what}")
+
+
+def check_money(cost: dict, bill_rows: list[dict]) -> None:
+    """`dtrun cost` against the lab's bill, attempt by attempt: never less than the cloud billed
+    (-5 %), and no more than 5 % over it plus what dtrun books on purpose before the cloud bills:
+    the seconds between dtrun's launch call and the instance request (SkyPilot's optimizer, its
+    wheel build), which dtrun cannot see and books as spent."""
+    attempts = [a for a in cost["attempts"] if a["provider"] == "lambda"]
+    assert len(attempts) == len(bill_rows), (attempts, bill_rows)
+    for a, b in zip(sorted(attempts, key=lambda a: a["attempt"]), sorted(bill_rows, key=lambda b: b["start"])):
+        booked_start = a["booked_until"] - a["seconds"]
+        pre = max(0.0, b["start"] - booked_start)
+        assert a["usd"] >= 0.95 * b["usd"], (a, b)
+        assert a["usd"] <= 1.05 * b["usd"] + pre / 3600 * b["price_per_hour"], (a, b, pre)
+        print(f"attempt {a['attempt']}: dtrun ${a['usd']:.4f} ({a['seconds']:.0f} s), lab ${b['usd']:.4f} "
+              f"({b['seconds']:.0f} s), booked before the instance request {pre:.0f} s")
