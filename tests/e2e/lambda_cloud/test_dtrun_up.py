@@ -9,8 +9,12 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from tests.e2e.lambda_cloud.conftest import check_money, dtrun, job_yaml, wait_until
 from tests.e2e.lambdalab import lab as lablib
+
+pytestmark = pytest.mark.timeout(2400)  # a launch takes minutes on 2 shared cores
 
 
 def test_up_succeeds_with_region_failover_and_bill_matches(lab, s3_lab, tmp_path):

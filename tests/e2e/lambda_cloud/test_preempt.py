@@ -10,10 +10,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.e2e.lambda_cloud.conftest import REPO, check_money, dtrun, job_yaml, wait_until
 from tests.e2e.lambdalab import lab as lablib
 
 STEPS = 300
+
+pytestmark = pytest.mark.timeout(2400)  # a launch takes minutes on 2 shared cores
 
 
 def _progress(s3_lab, name: str) -> dict:
