@@ -13,7 +13,9 @@
   ``~/.ssh/authorized_keys`` (Lambda writes it; SkyPilot uses no cloud-init), uv and a prebuilt
   ``~/skypilot-runtime``; pip and uv install from the cache's wheelhouse (the nodes' only index).
 
-Not emulated: GPUs (a node has the host's CPUs; catalog GPU counts are only labels), cloud-init,
+Not emulated: GPUs (a node has the host's CPUs; catalog GPU counts are only labels: every node
+exports ``DTRUN_TRAINER_MODULE=tests.e2e.lambdalab.cpu_trainer``, the real trainer with
+``resources.gpu`` read as ``cpu``), cloud-init,
 Lambda's filesystems, real boot times.
 """
 
@@ -103,7 +105,9 @@ def home_layer(lab_dir: Path) -> Path:
         return layer
     (home / ".local" / "bin").mkdir(parents=True, exist_ok=True)
     skel = Path("/etc/skel/.bashrc").read_text() if Path("/etc/skel/.bashrc").exists() else ""
-    (home / ".bashrc").write_text("export PATH=\"$HOME/.local/bin:$PATH\"\n" + skel)
+    # no GPUs here: the real trainer with resources.gpu read as cpu (cpu_trainer.py)
+    (home / ".bashrc").write_text("export PATH=\"$HOME/.local/bin:$PATH\"\n"
+                                  "export DTRUN_TRAINER_MODULE=tests.e2e.lambdalab.cpu_trainer\n" + skel)
     (home / ".profile").write_text('[ -n "$BASH_VERSION" ] && [ -f "$HOME/.bashrc" ] && . "$HOME/.bashrc"\n')
     os.symlink(runtime.CACHE / "uv", home / ".local" / "bin" / "uv")
     # cp --reflink-free copy would cost 0.7 GB per lab: the overlay's lower layer is the cache's
