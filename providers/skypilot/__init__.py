@@ -131,6 +131,9 @@ def run_script(command: list[str]) -> str:
             f"exit $rc\n")
 
 
+SAVED_LOG_LINES = 500
+SAVED_LOG_CHARS = 200_000
+"""How much of a job log :meth:`SkyPilotProvider.terminate` keeps for ``dtrun logs`` after the cluster is gone."""
 SETUP = "python infra/node_setup.py"
 """Installs only what the node is missing (torch checked against the pin, then the other
 dependencies), then dtrun with --no-deps: seconds on a prebuilt image, minutes on a bare one."""
@@ -508,6 +511,7 @@ class SkyPilotProvider(Provider):
     def terminate(self, handle: Handle) -> None:
         cluster = handle.data.get("cluster", handle.instance_id)
         self._memo(cluster, terminated=True)
+        self._save_log(cluster, handle.data.get("job_id"))
         try:
             self.api.down(cluster)
         except Exception as e:
@@ -545,12 +549,29 @@ class SkyPilotProvider(Provider):
             out.append(OwnedInstance(r.name, r.name, state, "", r.launched_at))
         return out
 
+    def _save_log(self, cluster: str, job_id: int | None) -> None:
+        """Keep the job log's tail before the cluster goes: the log lives only on the node, so
+        after ``sky.down`` (or autodown) ``dtrun logs`` would have nothing to show."""
+        try:
+            text = self.api.tail(cluster, job_id, SAVED_LOG_LINES)
+        except Exception:  # already gone (preempted): nothing to save
+            return
+        if text:
+            self._memo(cluster, log_tail=text[-SAVED_LOG_CHARS:])
+
     def logs(self, handle: Handle, tail: int = 200) -> str:
         cluster = handle.data.get("cluster", handle.instance_id)
+        err = None
         try:
-            return self.api.tail(cluster, handle.data.get("job_id"), tail)
+            text = self.api.tail(cluster, handle.data.get("job_id"), tail)
         except Exception as e:
-            return f"(logs unavailable: {map_sky_error(e, self.cloud)})"
+            text, err = "", e
+        if text:
+            return text
+        saved = self._memo(cluster).get("log_tail")
+        if saved:
+            return "\n".join(saved.splitlines()[-tail:]) + "\n(saved when dtrun took the cluster down)\n"
+        return text if err is None else f"(logs unavailable: {map_sky_error(err, self.cloud)})"
 
 
 __all__ = ["SkyPilotProvider", "SkyAPI", "ClusterRecord", "JobRecord", "build_task_config", "map_sky_error",

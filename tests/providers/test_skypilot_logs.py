@@ -88,3 +88,20 @@ def test_down_of_a_finished_job_with_a_live_node_releases_what_it_started(two_at
     assert main(["down", "lj"]) == 0
     assert all(n["terminated_at"] is not None for n in store.nodes("lj"))
     assert closed
+
+
+def test_logs_after_the_cluster_is_gone_show_the_tail_saved_at_terminate(tmp_path, monkeypatch, credentials):
+    # Found on the Lambda lab: after DONE dtrun takes the cluster down, and `dtrun logs` then said
+    # only "(logs unavailable: ClusterDoesNotExist)": the job log lives on the node.
+    from providers.skypilot import SkyPilotProvider
+
+    api = FakeSkyAPI()
+    prov = SkyPilotProvider("lambda", api, home=tmp_path / "dtrun-home")
+    cluster = "dtrun-gone-a1"
+    api.clusters[cluster] = {"status": "UP", "cloud": "lambda", "jobs": {1: "SUCCEEDED"},
+                             "log": "[dtrun-node] step 30/30\nDTRUN_EXIT_CODE=0\n", "launched_at": 0.0}
+    h = Handle("lambda", cluster, cluster, data={"cluster": cluster, "job_id": 1, "cloud": "lambda"})
+    prov.terminate(h)
+    assert cluster not in api.clusters
+    out = prov.logs(h)
+    assert "step 30/30" in out and "DTRUN_EXIT_CODE=0" in out and "logs unavailable" not in out
