@@ -64,6 +64,7 @@ def test_gpu_spec_without_cuda_is_refused(monkeypatch):
 
     from trainer.distenv import select_device
 
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # a CUDA build (CI's torch is the CPU one)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="CUDA is not usable.*nvidia-smi"):
         select_device(_spec("H100"), 0)
@@ -92,6 +93,7 @@ def test_fewer_gpus_than_local_ranks_is_refused(monkeypatch):
 
     from trainer.distenv import select_device
 
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
@@ -120,6 +122,7 @@ def test_trainer_exits_2_when_a_gpu_job_finds_no_cuda(tmp_path, monkeypatch, cap
             "checkpoint": {"uri": f"file://{tmp_path}/run"}}
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["--job", str(job)]) == 2
     err = capsys.readouterr().err
@@ -205,6 +208,7 @@ def test_expandable_segments_unless_the_environment_says(monkeypatch):
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "")  # recorded: undone after the test
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
