@@ -88,6 +88,7 @@ resources:
   nodes: {nodes}
 trainer:
   model: tiny
+  device: cpu  # the lab's nodes have no GPU: CPU ranks on the H100-labelled node, said explicitly
   parallel: {{dp_shard: {dp}, tp: 1}}
   steps: {steps}
   batch_size: 8

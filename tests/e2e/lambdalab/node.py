@@ -13,15 +13,16 @@
   ``~/.ssh/authorized_keys`` (Lambda writes it; SkyPilot uses no cloud-init), uv and a prebuilt
   ``~/skypilot-runtime``; pip and uv install from the cache's wheelhouse (the nodes' only index).
 
-Not emulated: GPUs (a node has the host's CPUs; catalog GPU counts are only labels: every node
-exports ``DTRUN_TRAINER_MODULE=tests.e2e.lambdalab.cpu_trainer``, the real trainer with
-``resources.gpu`` read as ``cpu``), cloud-init,
+Not emulated: GPUs (a node has the host's CPUs; catalog GPU counts are only labels: the suite's
+jobs say ``trainer.device: cpu``, the product's explicit way to train CPU ranks on a GPU node),
+cloud-init,
 Lambda's filesystems, real boot times.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import shlex
 import signal
 import subprocess
@@ -101,13 +102,14 @@ def home_layer(lab_dir: Path) -> Path:
     """The ubuntu home every node starts from (lower layer of its /home overlay)."""
     layer = lab_dir / "home-layer"
     home = layer / "ubuntu"
-    if (home / ".bashrc").exists():
-        return layer
-    (home / ".local" / "bin").mkdir(parents=True, exist_ok=True)
     skel = Path("/etc/skel/.bashrc").read_text() if Path("/etc/skel/.bashrc").exists() else ""
-    # no GPUs here: the real trainer with resources.gpu read as cpu (cpu_trainer.py)
-    (home / ".bashrc").write_text("export PATH=\"$HOME/.local/bin:$PATH\"\n"
-                                  "export DTRUN_TRAINER_MODULE=tests.e2e.lambdalab.cpu_trainer\n" + skel)
+    bashrc = "export PATH=\"$HOME/.local/bin:$PATH\"\n" + skel
+    if (home / ".bashrc").exists() and (home / ".bashrc").read_text() == bashrc:
+        return layer
+    if layer.exists():  # an older layer (another .bashrc): made again
+        shutil.rmtree(layer)
+    (home / ".local" / "bin").mkdir(parents=True, exist_ok=True)
+    (home / ".bashrc").write_text(bashrc)
     (home / ".profile").write_text('[ -n "$BASH_VERSION" ] && [ -f "$HOME/.bashrc" ] && . "$HOME/.bashrc"\n')
     os.symlink(runtime.CACHE / "uv", home / ".local" / "bin" / "uv")
     # cp --reflink-free copy would cost 0.7 GB per lab: the overlay's lower layer is the cache's
