@@ -5,6 +5,7 @@ added, ``ckpt_path=resume_ckpt_path()``. A tiny regression on seeded synthetic d
 from __future__ import annotations
 
 import os
+import time
 
 import lightning as L
 import torch
@@ -14,6 +15,7 @@ from infra.adapters.lightning import DtrunLightningCallback, resume_ckpt_path
 
 STEPS = int(os.environ.get("STEPS", "60"))
 SAVE_EVERY = int(os.environ.get("SAVE_EVERY", "10"))
+STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0"))  # to watch it (and signal it) mid-run
 
 
 class Regression(L.LightningModule):
@@ -23,6 +25,8 @@ class Regression(L.LightningModule):
 
     def training_step(self, batch, _idx):
         x, y = batch
+        if STEP_SLEEP:
+            time.sleep(STEP_SLEEP)
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):

@@ -24,6 +24,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "jobs" / "user-lightning"
 def test_lightning_sigterm_checkpoints_at_the_notice_and_resumes(dtrun_home, tmp_path, s3_bucket, monkeypatch):
     monkeypatch.setenv("STEPS", "60")
     monkeypatch.setenv("SAVE_EVERY", "10")
+    monkeypatch.setenv("STEP_SLEEP", "0.1")  # 60 unslept steps can end before the notice arrives
     monkeypatch.setenv("DTRUN_SYNC_SECONDS", "0.5")
     monkeypatch.setenv("DTRUN_HEARTBEAT_SECONDS", "0.5")
     monkeypatch.setenv("DTRUN_NODE_DIR", str(tmp_path / "nodes"))
