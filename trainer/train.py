@@ -258,7 +258,12 @@ class Run:
 
         self.device = select_device(self.spec, self.local_rank)  # GPU asked, CUDA unusable: exit 2
         if self.world > 1 or ("MASTER_ADDR" in os.environ and "RANK" in os.environ):
+            t_join = time.monotonic()
             init_distributed(self.spec, self.device)  # trainer.collective_timeout_seconds
+            if self.rank == 0:  # how long the ranks (of every node) took to find each other
+                nodes = self.world // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or self.world))
+                print(f"dtrun trainer: {self.world} ranks on {nodes} node(s) joined the process group in "
+                      f"{time.monotonic() - t_join:.1f} s", flush=True)
         try:
             # The run URI must be usable before step 1 (rank 0 probes, everyone learns the verdict).
             err = None
