@@ -35,6 +35,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_budget_runs_out_without_a_controller(tmp_path):

@@ -68,6 +68,7 @@ def tree(pid: int) -> set[int]:
     return {pid, *nb.descendants(pid)}
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigkilled_controller_node_finishes_alone_with_real_trainer(tmp_path):
@@ -101,6 +102,7 @@ recovery: {poll_seconds: 0.5, backoff_seconds: 0.2, heartbeat_timeout_seconds: 1
     assert s["state"] == "SUCCEEDED" and s["attempts"] == 1
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_controller_lost_node_checkpoints_and_stops_then_up_resumes(tmp_path):

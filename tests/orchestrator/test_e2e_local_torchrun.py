@@ -80,6 +80,7 @@ def run(spec_dict: dict, kill_at_steps: tuple[int, ...] = ()) -> tuple[Controlle
     return ctl, pgids
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 @pytest.mark.timeout(600)
 def test_sigkill_twice_resumes_bit_identical_on_s3(dtrun_home, tmp_path, s3_bucket):
     plain, pg1 = run(job(f"file://{tmp_path}/plain", "e2e-plain"))

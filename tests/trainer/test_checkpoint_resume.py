@@ -93,6 +93,7 @@ def test_corrupt_checkpoint_is_quarantined_not_deleted_and_survives_restarts(s3_
     assert np.allclose(m3.tok_emb.weight.detach().numpy(), m2.tok_emb.weight.detach().numpy())
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 @pytest.mark.slow
 def test_trainer_restart_under_503_exits_retryable_then_resumes_the_newest(trainer, s3_bucket, s3_server):
     """The issue's repro through the real trainer: keep 2, checkpoints every 5; at the restart S3

@@ -91,6 +91,7 @@ def test_emergency_save_is_bounded_by_the_notice(tmp_path):
     mgr.close()
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 @pytest.mark.slow
 def test_sigterm_with_a_slow_upload_exits_within_the_notice_and_resumes(trainer, s3_bucket, s3_server):
     """Real trainer (world 2) on moto behind a proxy adding 0.4 s per request, a 2 s notice: at

@@ -41,6 +41,7 @@ def _corpus(root, n_files=4, paras=120):
     return root
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 def test_corpus_to_transformers_model_on_s3(trainer, tmp_path, s3_bucket, capsys):
     corpus = _corpus(tmp_path / "corpus")
     tok = tmp_path / "tokenizer.json"

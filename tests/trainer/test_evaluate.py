@@ -30,6 +30,7 @@ def test_out_of_vocab_validation_token_on_one_rank_is_a_config_error_before_step
     assert runuri.checkpoint_steps(uri) == []  # refused before training, nothing to resume
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 def test_heartbeat_keeps_beating_through_an_evaluation_longer_than_the_stall_window(trainer, tmp_path):
     # recovery.heartbeat_timeout_seconds 2 → the training phase's stall window is 1 s; an evaluation
     # of 2^17 tokens (1024 forward passes per rank) takes longer. Before: evaluation ran in the
@@ -131,6 +132,7 @@ def test_out_of_vocab_training_token_seen_by_one_rank_only_is_reported(trainer, 
     assert lines and all("trainer.data" in x and "vocab_size 256" in x for x in lines), out[-3000:]
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 def test_resume_at_the_last_step_still_reports_the_final_validation_loss(trainer, tmp_path):
     # The final checkpoint committed but DONE not written (the node died in between): the resumed
     # attempt runs no step. Before: DONE was written with val_loss null (the loop's evaluation at

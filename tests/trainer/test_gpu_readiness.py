@@ -315,6 +315,7 @@ sys.exit(main(["--job", sys.argv[1]]))
 '''
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 @pytest.mark.slow
 def test_emergency_path_hard_exits_75_at_the_notice(tmp_path):
     """Whatever the emergency save's collectives do, a SIGTERMed trainer exits 75 by the notice

@@ -142,6 +142,7 @@ def test_ep_experts_under_fsdp_on_dp_rep(world4_output, n_experts, ep, placement
                 assert steps.index("wait", i) > steps.index("argsort", i), seq
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 def test_ep_checkpoint_reshards_world4_ep2_to_world1_to_world2_ep2(trainer, tmp_path):
     """DCP resharding of FSDP-sharded expert weights and their Adam state: a checkpoint written at
     ep 2 / dp_rep 2 (world 4) resumes at world 1 (plain tensors), whose checkpoint resumes at

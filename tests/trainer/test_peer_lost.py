@@ -44,6 +44,7 @@ def _node(job, rank: int, port: int) -> subprocess.Popen:
                             start_new_session=True)
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 @pytest.mark.parametrize("how", ["kill", "freeze"])
 def test_survivor_exits_75_within_the_collective_timeout(trainer, tmp_path, how):
     uri = f"file://{tmp_path}/run"

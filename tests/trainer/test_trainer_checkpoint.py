@@ -25,6 +25,7 @@ def _progress(uri: str) -> dict:
     return runuri.read_json(runuri.join(uri, "progress.json")) or {}
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 def test_s3_resume_is_bit_exact_after_sigkill_sigterm_and_stop(trainer, s3_bucket):
     def job(name: str, uri: str):
         return trainer.job(name, nproc=2, run_uri=uri, steps=STEPS, every=EVERY)
@@ -90,6 +91,7 @@ def test_s3_resume_is_bit_exact_after_sigkill_sigterm_and_stop(trainer, s3_bucke
     assert not (trainer.tmp / "not-used").exists()
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 def test_reshard_4_to_2_to_1_and_shape_mismatch(trainer, tmp_path):
     # Constant LR so that a run split over several jobs (different `steps`) equals one run.
     cfg = dict(warmup_steps=0, min_lr_ratio=1.0, every=2)

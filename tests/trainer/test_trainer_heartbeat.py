@@ -48,6 +48,7 @@ class Sampler:
         return self.seen
 
 
+@pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`
 @pytest.mark.slow
 def test_heartbeat_advances_through_a_slow_load_and_first_step_under_torchrun(trainer, tmp_path):
     uri = f"file://{tmp_path}/run"
