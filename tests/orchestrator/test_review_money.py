@@ -87,6 +87,7 @@ def test_store_outage_is_an_oserror_the_controller_catches(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries of a refused connection: ~20 s otherwise
     for call in (lambda: runuri.write_json("s3://b/run/lease.json", {"expires": 1}),
                  lambda: runuri.read_json("s3://b/run/progress.json")):
         with pytest.raises(OSError, match="s3://b/run/.*EndpointConnectionError"):
