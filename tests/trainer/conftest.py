@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import yaml
@@ -32,6 +32,95 @@ def torchrun_script(tmp: Path, source: str | Path, nproc: int, *args: str, timeo
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
     return out
+
+
+class World:
+    """What the torchrun world(s) of :func:`run_world` left behind: per case and rank, the output
+    (``<case>/rank{r}.log``) and exit code (``<case>/rank{r}.rc``)."""
+
+    def __init__(self, out: Path, nproc: int, cases: list[dict]):
+        self.out, self.nproc = out, nproc
+        self.cases = {c["name"]: c for c in cases}
+        self.launches: list[tuple[int | None, str]] = []  # (torchrun's exit code, its output) per world
+
+    def dir(self, name: str) -> Path:
+        return self.out / name
+
+    def _files(self, name: str, ext: str) -> list[Path | None]:
+        return [p if p.exists() else None for p in (self.dir(name) / f"rank{r}.{ext}" for r in range(self.nproc))]
+
+    def started(self, name: str) -> bool:
+        return any(self._files(name, "log"))
+
+    def finished(self, name: str) -> bool:
+        return all(self._files(name, "rc"))
+
+    def case(self, name: str) -> tuple[int, str]:
+        """The case's exit code (the first failed rank's; 1 for an exception) and every rank's
+        output; an AssertionError naming the case when its world ended before every rank finished it."""
+        logs = "".join(f"--- rank {r} ---\n{p.read_text(errors='replace')}"
+                       for r, p in enumerate(self._files(name, "log")) if p)
+        codes = [p.read_text() if p else None for p in self._files(name, "rc")]
+        failed = [1 if c.startswith("exception") else int(c) for c in codes if c and c != "0"]
+        if failed:
+            return failed[0], logs
+        if None in codes:
+            torchrun = "".join(f"--- torchrun (exit {rc}) ---\n{out[-2000:]}\n" for rc, out in self.launches)
+            raise AssertionError(f"case {name} did not finish on ranks {[r for r, c in enumerate(codes) if c is None]}"
+                                 f" (started: {self.started(name)}): its world ended\n{logs[-3000:]}\n{torchrun}")
+        return 0, logs
+
+
+def run_world(tmp: Path, nproc: int, script: Path, cases: list[dict], timeout: float = 900) -> World:
+    """Run ``script`` (a worker built on tests/trainer/world_cases.py) under ONE torchrun of
+    ``nproc`` ranks on CPU (gloo, one thread per rank) for all ``cases`` (dicts with a ``name``;
+    each gets ``out``, its folder), in turn: the interpreters and torch start once, each case still
+    has its own output and exit code. A case that fails ends its world; the cases after it run in a
+    new one. Never fails itself: each test reads its own case (:meth:`World.case`)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    cases = [{**c, "out": str(tmp / c["name"])} for c in cases]
+    world = World(tmp, nproc, cases)
+    end = time.monotonic() + timeout
+    todo = cases
+    while todo:
+        (tmp / "cases.json").write_text(json.dumps(todo))
+        p = subprocess.Popen([sys.executable, str(LAUNCH), "--standalone", f"--nproc-per-node={nproc}", str(script),
+                              str(tmp / "cases.json")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                  "PYTHONPATH": str(REPO)})
+        try:
+            out, _ = p.communicate(timeout=max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            Trainer.kill(p)
+            out, _ = p.communicate()
+            out += f"\n(killed: {timeout:g} s for every case)"
+        world.launches.append((p.returncode, out))
+        # The first case some rank did not finish: the world ended in it (reported on that case),
+        # or before it (not started: it runs again). The rest get a new world, if time is left.
+        i = next((k for k, c in enumerate(todo) if not world.finished(c["name"])), None)
+        if i is None or not world.started(todo[0]["name"]) or end - time.monotonic() < 60:
+            break  # all done; or no case started (the world itself is broken); or out of time
+        todo = todo[i + 1:] if world.started(todo[i]["name"]) else todo[i:]
+    return world
+
+
+def worlds_per_size(request: pytest.FixtureRequest, tmp: Path, script: Path,
+                    cases: list[tuple[int, dict]]) -> Callable[[int], World]:
+    """For a module-scoped fixture: ``get(nproc)`` runs, on its first call for that size, one
+    :func:`run_world` of ``script`` with the ``(nproc, case)`` cases of that size whose test is
+    selected in this session (``case["name"]`` is the test's parametrize id: ``-k`` still runs
+    only what it picks)."""
+    wanted = {item.callspec.id for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")}
+    done: dict[int, World] = {}
+
+    def get(nproc: int) -> World:
+        if nproc not in done:
+            done[nproc] = run_world(tmp / f"world{nproc}", nproc, script,
+                                    [c for n, c in cases if n == nproc and c["name"] in wanted])
+        return done[nproc]
+    return get
 
 
 # A dense model that exercises every TP path: untied head/embedding, QK-norm, SwiGLU, RMSNorm, GQA.

@@ -1,10 +1,13 @@
 """Worker for tests/trainer/test_muon.py (run under torchrun, gloo): one layout's Muon steps vs
 one process's, and the bytes each rank moves through collectives during ``Muon.step``.
 
-    torchrun --nproc-per-node=N tests/trainer/muon_dist_check.py LAYOUT [ns_dtype] [bucket_bytes]
+    torchrun --nproc-per-node=N tests/trainer/muon_dist_check.py CASES.json
 
-LAYOUT: fsdp (dp_shard = world), fsdp-moe, tp (tp = world), tp-moe, dptp (2 × world/2),
-ddp (replicate), ep-moe (ep 2, experts FSDP-sharded over dp_rep = world/2). Prints ``RESULT {json}`` per rank (and writes $MUON_OUT/rank{r}.json)."""
+Every case (``{"name", "out", "layout", "ns_dtype", "bucket_bytes"}``; the protocol is
+tests/trainer/world_cases.py) runs in turn in one process group. LAYOUT: fsdp (dp_shard = world),
+fsdp-moe, tp (tp = world), tp-moe, dptp (2 × world/2), ddp (replicate), ep-moe (ep 2, experts
+FSDP-sharded over dp_rep = world/2); ns_dtype: fp32, bf16 or null (Muon's default). Each rank
+writes its result to ``out/rank{r}.json``."""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from world_cases import run_cases
 
 from orchestrator.plan.presets import ModelSpec
 from trainer import optim
@@ -67,12 +72,11 @@ class CollectiveBytes(TorchDispatchMode):
         return out
 
 
-def main() -> None:
-    layout = sys.argv[1]
-    ns_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(sys.argv[2] if len(sys.argv) > 2 else "")
-    bucket = int(sys.argv[3]) if len(sys.argv) > 3 else None
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def check(case: dict, rank: int) -> None:
+    layout = case["layout"]
+    ns_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(case.get("ns_dtype") or "")
+    bucket = case.get("bucket_bytes")
+    world = dist.get_world_size()
     torch.manual_seed(0)
     spec = ModelSpec.model_validate(MOE if layout.endswith("moe") else DENSE)
     dims = {"fsdp": ParallelDims(world, 1, 1, world), "fsdp-moe": ParallelDims(world, 1, 1, world),
@@ -131,14 +135,14 @@ def main() -> None:
             mom += p.to_local().numel() * p.to_local().element_size()
             rows.append(tuple(p.to_local().shape))
     result = json.dumps({"rank": rank, "max_diff": max(diff.values()), "worst": max(diff, key=diff.get),
-                                  "momentum_bytes": mom, "steps": steps, "local_shapes": rows,
-                                  "placements": sorted(set(placements.values()))})
-    if os.environ.get("MUON_OUT"):  # one file per rank: torchrun interleaves the ranks' stdout
-        with open(os.path.join(os.environ["MUON_OUT"], f"rank{rank}.json"), "w") as f:
-            f.write(result)
+                         "momentum_bytes": mom, "steps": steps, "local_shapes": rows,
+                         "placements": sorted(set(placements.values()))})
+    with open(os.path.join(case["out"], f"rank{rank}.json"), "w") as f:
+        f.write(result)
     print("RESULT " + result, flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    dist.init_process_group("gloo")
+    run_cases(sys.argv[1], check)
+    dist.destroy_process_group()

@@ -9,13 +9,33 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import torchrun_script
+from conftest import worlds_per_size
 
 from trainer import optim
 from trainer.optim import Muon, newton_schulz, ns_dtype_for
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("muon_dist_check.py")
+
+# id, nproc, layout, ns_dtype, bucket_bytes
+DIST_CASES = [
+    ("fsdp-w3-uneven", 3, "fsdp", None, None),  # FSDP2 Shard(0), uneven shards (40 rows over 3 ranks)
+    # dp2×tp2: 2-D mesh, _StridedShard + Shard(1); one matrix per bucket (pipeline)
+    ("dptp-w4-buckets", 4, "dptp", "fp32", 1),
+    # TP Shard(0)/Shard(1), replicated experts; bf16 NS and bf16 transfers
+    ("tp-moe-w2-bf16", 2, "tp-moe", "bf16", None),
+    ("ddp-w2", 2, "ddp", None, None),  # (Replicate, Shard(0)): the owner uses its own copy
+    ("ep-moe-w4", 4, "ep-moe", None, None),  # ep 2: experts (_StridedShard(0), Shard(0)) stay local, the rest scatters
+]
+
+
+@pytest.fixture(scope="module")
+def muon_worlds(request, tmp_path_factory):
+    """``muon_worlds(nproc)``: one torchrun world per size for every selected case of that size, in
+    turn in one process group (tests/trainer/muon_dist_check.py): a torch start-up per size."""
+    return worlds_per_size(request, tmp_path_factory.mktemp("muon"), WORKER, [
+        (n, {"name": name, "layout": layout, "ns_dtype": ns, "bucket_bytes": bucket})
+        for name, n, layout, ns, bucket in DIST_CASES])
 
 
 def test_newton_schulz_in_bf16_is_orthogonal_and_close_to_fp32():
@@ -52,21 +72,13 @@ def test_ns_dtype_follows_the_device_and_can_be_overridden(monkeypatch):
         assert torch.allclose(s, torch.ones_like(s), atol=2e-2)
 
 
-def _run(tmp: Path, nproc: int, *args: str) -> list[dict]:
-    torchrun_script(tmp, WORKER, nproc, *args, timeout=400, env={"MUON_OUT": str(tmp)})
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,args", [
-    (3, ("fsdp",)),                  # FSDP2 Shard(0), uneven shards (40 rows over 3 ranks)
-    (4, ("dptp", "fp32", "1")),      # dp2×tp2: 2-D mesh, _StridedShard + Shard(1); one matrix per bucket (pipeline)
-    (2, ("tp-moe", "bf16")),         # TP Shard(0)/Shard(1), replicated experts; bf16 NS and bf16 transfers
-    (2, ("ddp",)),                   # (Replicate, Shard(0)): the owner uses its own copy
-    (4, ("ep-moe",)),                # ep 2: experts (_StridedShard(0), Shard(0)) stay local, the rest scatters
-], ids=["fsdp-w3-uneven", "dptp-w4-buckets", "tp-moe-w2-bf16", "ddp-w2", "ep-moe-w4"])
-def test_distributed_muon_equals_one_process_and_moves_one_shard_each_way(tmp_path, nproc, args):
-    res = _run(tmp_path, nproc, *args)
+@pytest.mark.parametrize("name,nproc,layout", [c[:3] for c in DIST_CASES], ids=[c[0] for c in DIST_CASES])
+def test_distributed_muon_equals_one_process_and_moves_one_shard_each_way(muon_worlds, name, nproc, layout):
+    world = muon_worlds(nproc)
+    rc, out = world.case(name)
+    assert rc == 0, out[-3000:]
+    res = [json.loads((world.dir(name) / f"rank{r}.json").read_text()) for r in range(nproc)]
     for r in res:
         # The same full matrix reaches NS as in one process: the parameters after two steps
         # (momentum, weight decay, AdamW groups too) equal the one-process run's.
@@ -78,5 +90,5 @@ def test_distributed_muon_equals_one_process_and_moves_one_shard_each_way(tmp_pa
             # where gathering every full matrix on every rank (and broadcasting NS results) received ~3×.
             assert st["recv"] <= 2.2 * mom and st["sent"] <= 2.2 * mom, (st, mom)
             assert st["ops"] == ["alltoall_base_"], st
-    if args[0] == "fsdp":
+    if layout == "fsdp":
         assert len({tuple(map(tuple, r["local_shapes"])) for r in res}) > 1  # shards really are uneven

@@ -11,7 +11,10 @@ always a full chunk.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from conftest import REPO, Trainer, worlds_per_size
 
 from orchestrator.contract import runuri
 from orchestrator.plan.planner import state_bytes_per_rank
@@ -50,15 +53,31 @@ CASES = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_planner_bytes_equal_trainer_shards(trainer, tmp_path, case):
+def _job(tmp: Path, case: tuple) -> dict:
     name, nproc, model, parallel, opt = case[:5]
     extra = case[5] if len(case) > 5 else {}
-    uri = "file://" + str(tmp_path / "run")
-    job = trainer.job(name, nproc=nproc, run_uri=uri, model=model, parallel=parallel, steps=2, every=2,
-                      optimizer=opt, **extra)
-    rc, out = trainer.run(job, nproc)
+    uri = "file://" + str(tmp / name / "run")
+    job = Trainer(tmp).job(name, nproc=nproc, run_uri=uri, model=model, parallel=parallel, steps=2, every=2,
+                           optimizer=opt, **extra)
+    return {"name": name, "job": str(job), "run_uri": uri}
+
+
+@pytest.fixture(scope="module")
+def worlds(request, tmp_path_factory):
+    """``worlds(nproc)``: one torchrun world per size running the real trainer once per selected
+    case of that size, in turn (each case its own process group, run URI and output:
+    tests/trainer/trainer_world.py): a torch start-up per rank per size, not per case."""
+    tmp = tmp_path_factory.mktemp("planner_exact")
+    return worlds_per_size(request, tmp, REPO / "tests/trainer/trainer_world.py", [(c[1], _job(tmp, c)) for c in CASES])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_planner_bytes_equal_trainer_shards(worlds, case):
+    name, nproc, model, parallel, opt = case[:5]
+    world = worlds(nproc)
+    rc, out = world.case(name)
+    uri = world.cases[name]["run_uri"]
     assert rc == 0, out[-3000:]
     done = runuri.read_json(runuri.join(uri, runuri.DONE))
     measured = done["state_bytes_per_rank"]
