@@ -56,10 +56,13 @@ class World:
         return all(self._files(name, "rc"))
 
     def case(self, name: str) -> tuple[int, str]:
-        """The case's exit code (the first failed rank's; 1 for an exception) and every rank's
-        output; an AssertionError naming the case when its world ended before every rank finished it."""
-        logs = "".join(f"--- rank {r} ---\n{p.read_text(errors='replace')}"
+        """The case's exit code (the first failed rank's; 1 for an exception) and the end of every
+        rank's output (3000 characters in all: a test's ``out[-3000:]`` shows each rank's last lines);
+        an AssertionError naming the case when its world ended before every rank finished it."""
+        each = (3000 - 150) // self.nproc - 20
+        logs = "".join(f"--- rank {r} ---\n{p.read_text(errors='replace')[-each:]}"
                        for r, p in enumerate(self._files(name, "log")) if p)
+        logs += f"(in full: {self.dir(name)}/rank*.log)\n"
         codes = [p.read_text() if p else None for p in self._files(name, "rc")]
         failed = [1 if c.startswith("exception") else int(c) for c in codes if c and c != "0"]
         if failed:
@@ -67,16 +70,17 @@ class World:
         if None in codes:
             torchrun = "".join(f"--- torchrun (exit {rc}) ---\n{out[-2000:]}\n" for rc, out in self.launches)
             raise AssertionError(f"case {name} did not finish on ranks {[r for r, c in enumerate(codes) if c is None]}"
-                                 f" (started: {self.started(name)}): its world ended\n{logs[-3000:]}\n{torchrun}")
+                                 f" (started: {self.started(name)}): its world ended\n{logs}\n{torchrun}")
         return 0, logs
 
 
-def run_world(tmp: Path, nproc: int, script: Path, cases: list[dict], timeout: float = 900) -> World:
+def run_world(tmp: Path, nproc: int, script: Path, cases: list[dict], timeout: float = 500) -> World:
     """Run ``script`` (a worker built on tests/trainer/world_cases.py) under ONE torchrun of
     ``nproc`` ranks on CPU (gloo, one thread per rank) for all ``cases`` (dicts with a ``name``;
     each gets ``out``, its folder), in turn: the interpreters and torch start once, each case still
     has its own output and exit code. A case that fails ends its world; the cases after it run in a
-    new one. Never fails itself: each test reads its own case (:meth:`World.case`)."""
+    new one. Never fails itself: each test reads its own case (:meth:`World.case`). ``timeout``
+    covers every world, under pytest-timeout's 600 s for the test that starts them."""
     tmp.mkdir(parents=True, exist_ok=True)
     cases = [{**c, "out": str(tmp / c["name"])} for c in cases]
     world = World(tmp, nproc, cases)
@@ -95,6 +99,10 @@ def run_world(tmp: Path, nproc: int, script: Path, cases: list[dict], timeout: f
             Trainer.kill(p)
             out, _ = p.communicate()
             out += f"\n(killed: {timeout:g} s for every case)"
+        finally:
+            if p.poll() is None:  # interrupted (pytest-timeout, ^C): no world left behind
+                Trainer.kill(p)
+                p.wait()
         world.launches.append((p.returncode, out))
         # The first case some rank did not finish: the world ended in it (reported on that case),
         # or before it (not started: it runs again). The rest get a new world, if time is left.
