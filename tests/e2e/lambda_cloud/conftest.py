@@ -6,8 +6,12 @@ saying why: never a silent skip."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,8 +78,6 @@ def s3_lab(lab):
 
 
 def dtrun(args: list[str], env: dict, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    import sys
-
     return sh([sys.executable, "-m", "orchestrator.cli.app", *args], env, timeout=timeout, check=check, cwd=REPO)
 
 
@@ -156,3 +158,36 @@ def check_money(cost: dict, bill_rows: list[dict], poll_seconds: float = 5.0) ->
         assert a["usd"] <= 1.05 * b["usd"] + (pre + poll_seconds) / 3600 * b["price_per_hour"], (a, b, pre)
         print(f"attempt {a['attempt']}: dtrun ${a['usd']:.4f} ({a['seconds']:.0f} s), lab ${b['usd']:.4f} "
               f"({b['seconds']:.0f} s), booked before the instance request {pre:.0f} s")
+
+
+def progress(s3_lab, name: str) -> dict:
+    """The job's ``progress.json`` in the run URI ({} before the trainer wrote one)."""
+    try:
+        return json.loads(s3_lab["get"](f"{name}/progress.json"))
+    except Exception:  # noqa: BLE001 - not there yet
+        return {}
+
+
+def step(s3_lab, name: str) -> int:
+    return int(progress(s3_lab, name).get("step") or 0)
+
+
+def wait_for_next_attempt(s3_lab, name: str, timeout: float) -> None:
+    """Until a step of attempt 2 or later is in the run URI."""
+    wait_until(lambda: progress(s3_lab, name).get("attempt", 1) >= 2 and progress(s3_lab, name).get("step"),
+               timeout, "no step from a second attempt")
+
+
+@contextlib.contextmanager
+def dtrun_up_running(job: Path, env: dict):
+    """``dtrun up JOB --yes`` in the background, in its own session: if the test leaves early, the
+    controller is SIGKILLed with everything it started."""
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli.app", "up", str(job), "--yes"], env=env,
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()

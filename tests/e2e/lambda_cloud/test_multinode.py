@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 import yaml
 
-from tests.e2e.lambda_cloud.conftest import REPO, dtrun, job_yaml, wait_until
+from tests.e2e.lambda_cloud.conftest import (
+    dtrun, dtrun_up_running, job_yaml, step, wait_for_next_attempt, wait_until,
+)
 from tests.e2e.lambdalab import lab as lablib
 
 HSDP = {"dp_replicate": 2, "dp_shard": 2}
@@ -108,40 +108,26 @@ def _joined(head_log: str) -> float:
     return float(m.group(1))
 
 
-def _progress(s3_lab, name: str) -> dict:
-    try:
-        return json.loads(s3_lab["get"](f"{name}/progress.json"))
-    except Exception:  # noqa: BLE001 - not there yet
-        return {}
-
-
 def test_one_node_lost_hsdp_resumes_bit_identical(lab, s3_lab, tmp_path):
     env = {**lab, **s3_lab["env"], "DTRUN_HOME": str(tmp_path / "dtrun-home")}
     name, steps, every = "mn-lost", 120, 10
     trainer = {"collective_timeout_seconds": 30}
     job = _job(tmp_path, name, s3_lab["bucket"], HSDP, steps=steps, every=every, **trainer)
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli.app", "up", str(job), "--yes"], env=env,
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_until(lambda: (_progress(s3_lab, name).get("step") or 0) >= 15, 2400, "no step 15 on the lab nodes")
+    with dtrun_up_running(job, env) as proc:
+        wait_until(lambda: step(s3_lab, name) >= 15, 2400, "no step 15 on the lab nodes")
         workers = [i for i in lablib.call("status")["instances"]
                    if i["name"].startswith(f"dtrun-{name}-a1") and i["name"].endswith("-worker")]
         assert len(workers) == 1, lablib.call("status")
-        at_step = _progress(s3_lab, name)["step"]
+        at_step = step(s3_lab, name)
         t_lost = time.time()
         assert lablib.call("preempt", {"name": workers[0]["name"]})["preempted"] == [workers[0]["name"]]
         # the head's ranks end on their own; the controller ends the attempt and tears the head down
         wait_until(lambda: not [i for i in lablib.call("status")["instances"] if f"dtrun-{name}-a1" in i["name"]],
                    900, "attempt 1's head instance is still there")
         head_gone = time.time() - t_lost
-        wait_until(lambda: _progress(s3_lab, name).get("attempt", 1) >= 2 and _progress(s3_lab, name).get("step"),
-                   2400, "no step from a second attempt")
+        wait_for_next_attempt(s3_lab, name, 2400)
         back = time.time() - t_lost
         out, _ = proc.communicate(timeout=2400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, out[-4000:]
     st = json.loads(dtrun(["status", name, "--json"], env).stdout)
     assert st["state"] == "SUCCEEDED" and st["attempts_total"] == 2, st

@@ -6,13 +6,13 @@ uninterrupted local run of the same trainer section (the trainer's DONE ``param_
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.e2e.lambda_cloud.conftest import REPO, check_money, dtrun, job_yaml, wait_until
+from tests.e2e.lambda_cloud.conftest import (
+    check_money, dtrun, dtrun_up_running, job_yaml, step, wait_for_next_attempt, wait_until,
+)
 from tests.e2e.lambdalab import lab as lablib
 
 STEPS = 300
@@ -20,35 +20,20 @@ STEPS = 300
 pytestmark = pytest.mark.timeout(2400)  # a launch takes minutes on 2 shared cores
 
 
-def _progress(s3_lab, name: str) -> dict:
-    try:
-        return json.loads(s3_lab["get"](f"{name}/progress.json"))
-    except Exception:
-        return {}
-
-
 def test_preempt_resumes_bit_identical(lab, s3_lab, tmp_path):
     env = {**lab, **s3_lab["env"], "DTRUN_HOME": str(tmp_path / "dtrun-home")}
     name = "lab-pre"
     job = job_yaml(tmp_path, name, s3_lab["bucket"], steps=STEPS, every=25)
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli.app", "up", str(job), "--yes"], env=env,
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with dtrun_up_running(job, env) as proc:
         # mid-run, after a committed checkpoint
-        wait_until(lambda: (_progress(s3_lab, name).get("step") or 0) >= 30, 1500, "no step 30 on the lab node")
+        wait_until(lambda: step(s3_lab, name) >= 30, 1500, "no step 30 on the lab node")
         [inst] = [i for i in lablib.call("status")["instances"] if i["name"].startswith(f"dtrun-{name}-a1")]
-        at_step = _progress(s3_lab, name)["step"]
+        at_step = step(s3_lab, name)
         t_pre = time.time()
         assert lablib.call("preempt", {"name": inst["name"]})["preempted"] == [inst["name"]]
-        # the next attempt trains again
-        wait_until(lambda: _progress(s3_lab, name).get("attempt", 1) >= 2 and _progress(s3_lab, name).get("step"),
-                   1500, "no step from a second attempt")
+        wait_for_next_attempt(s3_lab, name, 1500)  # the next attempt trains again
         resumed_after = time.time() - t_pre
         out, _ = proc.communicate(timeout=1500)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, out[-4000:]
     st = json.loads(dtrun(["status", name, "--json"], env).stdout)
     assert st["state"] == "SUCCEEDED" and st["attempts_total"] == 2, st
