@@ -117,16 +117,18 @@ def worlds_per_size(request: pytest.FixtureRequest, tmp: Path, script: Path,
                     cases: list[tuple[int, dict]]) -> Callable[[int], World]:
     """For a module-scoped fixture: ``get(nproc)`` runs, on its first call for that size, one
     :func:`run_world` of ``script`` with the ``(nproc, case)`` cases of that size whose test is
-    selected in this session (``case["name"]`` is the test's parametrize id: ``-k`` still runs
-    only what it picks)."""
-    wanted = {item.callspec.id for item in request.session.items
-              if item.module is request.module and hasattr(item, "callspec")}
+    selected in this session: ``case["name"]`` is the test's parametrize id, or ``case["tests"]``
+    names the test functions that read it (``-k`` still runs only what it picks)."""
+    items = [item for item in request.session.items if item.module is request.module]
+    wanted = {item.callspec.id for item in items if hasattr(item, "callspec")}
+    wanted |= {item.originalname for item in items}
     done: dict[int, World] = {}
 
     def get(nproc: int) -> World:
         if nproc not in done:
             done[nproc] = run_world(tmp / f"world{nproc}", nproc, script,
-                                    [c for n, c in cases if n == nproc and c["name"] in wanted])
+                                    [c for n, c in cases if n == nproc
+                                     and (c["name"] in wanted or wanted & set(c.get("tests", ())))])
         return done[nproc]
     return get
 

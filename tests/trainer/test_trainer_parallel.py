@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import DENSE, MOE, Trainer, free_port, losses, torchrun_script, two_nodes
+from conftest import DENSE, MOE, REPO, Trainer, free_port, losses, torchrun_script, two_nodes, worlds_per_size
 
 from orchestrator.contract import runuri
 from orchestrator.plan.presets import ModelSpec
@@ -14,24 +14,64 @@ from orchestrator.plan.presets import ModelSpec
 pytestmark = pytest.mark.slow
 
 STEPS = 8
+TIED = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64, "pos": "learned",
+        "bias": True, "tie_embeddings": True}
+
+# Every trainer run of this module but the two-node HSDP one: name → (nproc, model, parallel, trainer
+# fields, the tests that read it). All optimizers are Muon but the tied pair's (AdamW, the default).
+MUON = {"optimizer": "muon"}
+RUNS = {
+    # World-1 references: the dense model (Muon, full activation checkpointing) and the MoE (Muon).
+    "ref-dense": (1, DENSE, None, {**MUON, "activation_checkpointing": "full"},
+                  ["test_reference_runs_train_with_muon", "test_tp2_matches_world1",
+                   "test_dp2_tp2_world4_matches_world1", "test_hsdp_two_nodes_of_two_ranks_matches_world1"]),
+    "ref-moe": (1, MOE, None, MUON,
+                ["test_reference_runs_train_with_muon", "test_fsdp2_world2_matches_world1",
+                 "test_ep2_matches_world1_and_checkpoint_keeps_every_expert", "test_ep2_world4_matches_world1",
+                 "test_replicate_ddp_rung_world2_matches_world1", "test_tp2_moe_matches_world1"]),
+    # The MoE model with ep = 1: experts are ordinary FSDP-sharded parameters here.
+    "fsdp": (2, MOE, None, {**MUON, "activation_checkpointing": "selective", "micro_batch_size": 1},  # 2 accum.
+             ["test_fsdp2_world2_matches_world1"]),
+    "tp": (2, DENSE, {"dp_shard": 1, "tp": 2}, MUON, ["test_tp2_matches_world1"]),
+    "dptp": (4, DENSE, {"dp_shard": 2, "tp": 2}, MUON, ["test_dp2_tp2_world4_matches_world1"]),
+    "ep": (2, MOE, {"dp_shard": 2, "ep": 2}, MUON, ["test_ep2_matches_world1_and_checkpoint_keeps_every_expert"]),
+    "ep4": (4, MOE, {"dp_shard": 4, "ep": 2}, {**MUON, "activation_checkpointing": "full"},
+            ["test_ep2_world4_matches_world1"]),
+    # parallel.replicate (the planner's DDP rung): HSDP with a shard group of one.
+    "ddp": (2, MOE, {"dp_shard": 2, "replicate": True}, MUON, ["test_replicate_ddp_rung_world2_matches_world1"]),
+    "tpmoe": (2, MOE, {"dp_shard": 1, "tp": 2}, MUON, ["test_tp2_moe_matches_world1"]),
+    "tied1": (1, TIED, {"dp_shard": 1}, {}, ["test_tp2_tied_learned_positions_matches_world1"]),
+    "tied-dp2tp2": (4, TIED, {"dp_shard": 2, "tp": 2}, {}, ["test_tp2_tied_learned_positions_matches_world1"]),
+}
 
 
 @pytest.fixture(scope="module")
-def refs(tmp_path_factory):
-    """World-1 references: the dense model (Muon, full activation checkpointing) and the MoE (AdamW)."""
-    tmp = tmp_path_factory.mktemp("refs")
+def worlds(request, tmp_path_factory):
+    """``worlds(nproc)``: one torchrun world per size (1, 2, 4) running the real trainer once per
+    selected run of that size, in turn (each run its own process group, run URI and output:
+    tests/trainer/trainer_world.py): a torch start-up per rank per size, not per run."""
+    tmp = tmp_path_factory.mktemp("parallel")
     t = Trainer(tmp)
-    out = {}
-    try:
-        for name, model, extra in [("dense", DENSE, {"optimizer": "muon", "activation_checkpointing": "full"}),
-                                   ("moe", MOE, {"optimizer": "muon"})]:
-            uri = f"file://{tmp}/{name}"
-            rc, log = t.run(t.job(f"ref-{name}", nproc=1, run_uri=uri, model=model, steps=STEPS, **extra), 1)
-            assert rc == 0, log[-3000:]
-            out[name] = losses(uri)
-    finally:
-        t.cleanup()
-    return out
+    cases = []
+    for name, (nproc, model, parallel, extra, tests) in RUNS.items():
+        uri = f"file://{tmp}/{name}/run"
+        job = t.job(name, nproc=nproc, run_uri=uri, model=model, parallel=parallel, steps=STEPS, **extra)
+        cases.append((nproc, {"name": name, "job": str(job), "run_uri": uri, "tests": tests}))
+    return worlds_per_size(request, tmp, REPO / "tests/trainer/trainer_world.py", cases)
+
+
+def _ran(worlds, name: str) -> str:
+    """The run URI of ``RUNS[name]``, which exited 0."""
+    world = worlds(RUNS[name][0])
+    rc, log = world.case(name)
+    assert rc == 0, log[-3000:]
+    return world.cases[name]["run_uri"]
+
+
+@pytest.fixture(scope="module")
+def refs(worlds):
+    """``refs(name)``: the per-step losses of the world-1 reference ``ref-<name>`` (dense, moe)."""
+    return lambda name: losses(_ran(worlds, f"ref-{name}"))
 
 
 def _check_matches(ref: list[float], got: list[float]) -> None:
@@ -42,17 +82,12 @@ def _check_matches(ref: list[float], got: list[float]) -> None:
 def test_reference_runs_train_with_muon(refs):
     # Muon on the dense and the MoE model: the loss goes down from ln(256) ≈ 5.55.
     for name in ("dense", "moe"):
-        assert refs[name][-1] < refs[name][0] - 0.05, (name, refs[name])
+        assert refs(name)[-1] < refs(name)[0] - 0.05, (name, refs(name))
 
 
-def test_fsdp2_world2_matches_world1(trainer, tmp_path, refs):
-    # The MoE model with ep = 1: experts are ordinary FSDP-sharded parameters here.
-    uri = f"file://{tmp_path}/fsdp"
-    job = trainer.job("fsdp", nproc=2, run_uri=uri, model=MOE, steps=STEPS, optimizer="muon",
-                      activation_checkpointing="selective", micro_batch_size=1)  # 2 accumulation steps
-    rc, log = trainer.run(job, 2)
-    assert rc == 0, log[-3000:]
-    _check_matches(refs["moe"], losses(uri))
+def test_fsdp2_world2_matches_world1(worlds, refs):
+    uri = _ran(worlds, "fsdp")
+    _check_matches(refs("moe"), losses(uri))
     done = runuri.read_json(runuri.join(uri, "DONE"))
     assert done["step"] == STEPS and done["param_digest"]
     # Each rank holds half of the parameters (FSDP2 shards), summing to the model exactly.
@@ -63,31 +98,17 @@ def test_fsdp2_world2_matches_world1(trainer, tmp_path, refs):
     assert all(r["grads"] == r["params"] for r in per_rank)
 
 
-def test_tp2_matches_world1(trainer, tmp_path, refs):
-    uri = f"file://{tmp_path}/tp"
-    job = trainer.job("tp", nproc=2, run_uri=uri, model=DENSE, steps=STEPS, optimizer="muon",
-                      parallel={"dp_shard": 1, "tp": 2})
-    rc, log = trainer.run(job, 2)
-    assert rc == 0, log[-3000:]
-    _check_matches(refs["dense"], losses(uri))
+def test_tp2_matches_world1(worlds, refs):
+    _check_matches(refs("dense"), losses(_ran(worlds, "tp")))
 
 
-def test_dp2_tp2_world4_matches_world1(trainer, tmp_path, refs):
-    uri = f"file://{tmp_path}/dptp"
-    job = trainer.job("dptp", nproc=4, run_uri=uri, model=DENSE, steps=STEPS, optimizer="muon",
-                      parallel={"dp_shard": 2, "tp": 2})
-    rc, log = trainer.run(job, 4)
-    assert rc == 0, log[-3000:]
-    _check_matches(refs["dense"], losses(uri))
+def test_dp2_tp2_world4_matches_world1(worlds, refs):
+    _check_matches(refs("dense"), losses(_ran(worlds, "dptp")))
 
 
-def test_ep2_matches_world1_and_checkpoint_keeps_every_expert(trainer, tmp_path, refs):
-    uri = f"file://{tmp_path}/ep"
-    job = trainer.job("ep", nproc=2, run_uri=uri, model=MOE, steps=STEPS, optimizer="muon",
-                      parallel={"dp_shard": 2, "ep": 2})
-    rc, log = trainer.run(job, 2)
-    assert rc == 0, log[-3000:]
-    _check_matches(refs["moe"], losses(uri))
+def test_ep2_matches_world1_and_checkpoint_keeps_every_expert(worlds, refs):
+    uri = _ran(worlds, "ep")
+    _check_matches(refs("moe"), losses(uri))
 
     # The checkpoint holds all 4 experts (each rank owns 2): global shape and chunks covering both halves.
     import torch.distributed.checkpoint as dcp
@@ -102,26 +123,16 @@ def test_ep2_matches_world1_and_checkpoint_keeps_every_expert(trainer, tmp_path,
     assert commit["parallel"]["ep"] == 2 and commit["world_size"] == 2
 
 
-def test_ep2_world4_matches_world1(trainer, tmp_path, refs):
+def test_ep2_world4_matches_world1(worlds, refs):
     """ep 2 at world 4: two replicas (dp_rep 2) of each expert half. The experts are an FSDP unit
     on dp_rep (reduce-scattered in backward, ÷ dp), prefetched explicitly, recomputed under full
     activation checkpointing: the run still equals one process."""
-    uri = f"file://{tmp_path}/ep4"
-    job = trainer.job("ep4", nproc=4, run_uri=uri, model=MOE, steps=STEPS, optimizer="muon",
-                      parallel={"dp_shard": 4, "ep": 2}, activation_checkpointing="full")
-    rc, log = trainer.run(job, 4)
-    assert rc == 0, log[-3000:]
-    _check_matches(refs["moe"], losses(uri))
+    _check_matches(refs("moe"), losses(_ran(worlds, "ep4")))
 
 
-def test_replicate_ddp_rung_world2_matches_world1(trainer, tmp_path, refs):
-    # parallel.replicate (the planner's DDP rung): HSDP with a shard group of one.
-    uri = f"file://{tmp_path}/ddp"
-    job = trainer.job("ddp", nproc=2, run_uri=uri, model=MOE, steps=STEPS, optimizer="muon",
-                      parallel={"dp_shard": 2, "replicate": True})
-    rc, log = trainer.run(job, 2)
-    assert rc == 0, log[-3000:]
-    _check_matches(refs["moe"], losses(uri))
+def test_replicate_ddp_rung_world2_matches_world1(worlds, refs):
+    uri = _ran(worlds, "ddp")
+    _check_matches(refs("moe"), losses(uri))
     n = ModelSpec(**MOE).num_params()
     assert all(r["params"] == 4 * n for r in runuri.read_json(runuri.join(uri, "DONE"))["state_bytes_per_rank"])
 
@@ -141,7 +152,7 @@ def test_hsdp_two_nodes_of_two_ranks_matches_world1(trainer, tmp_path, refs):
         out, _ = p.communicate(timeout=240)
         outs.append(out)
         assert p.returncode == 0, out[-3000:]
-    _check_matches(refs["dense"], losses(uri))
+    _check_matches(refs("dense"), losses(uri))
     done = runuri.read_json(runuri.join(uri, "DONE"))
     assert done["world_size"] == 4 and done["parallel"]["dp_replicate"] == 2 and done["parallel"]["dp_shard"] == 2
     n = ModelSpec(**DENSE).num_params()
@@ -153,29 +164,16 @@ def test_hsdp_two_nodes_of_two_ranks_matches_world1(trainer, tmp_path, refs):
     assert commit["parallel"]["dp_replicate"] == 2 and commit["world_size"] == 4
 
 
-def test_tp2_moe_matches_world1(trainer, tmp_path, refs):
+def test_tp2_moe_matches_world1(worlds, refs):
     """MoE blocks under TP: router and experts run on each rank's sequence shard; their gradients
     are summed over TP."""
-    uri = f"file://{tmp_path}/tpmoe"
-    job = trainer.job("tpmoe", nproc=2, run_uri=uri, model=MOE, steps=STEPS, optimizer="muon",
-                      parallel={"dp_shard": 1, "tp": 2})
-    rc, log = trainer.run(job, 2)
-    assert rc == 0, log[-3000:]
-    _check_matches(refs["moe"], losses(uri))
+    _check_matches(refs("moe"), losses(_ran(worlds, "tpmoe")))
 
 
-def test_tp2_tied_learned_positions_matches_world1(trainer, tmp_path):
+def test_tp2_tied_learned_positions_matches_world1(worlds):
     """The documented choice for tied embeddings: replicated over TP, the head on the whole
-    sequence; learned positions added before the sequence is split."""
-    tied = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64, "pos": "learned",
-            "bias": True, "tie_embeddings": True}
-    got = {}
-    for name, nproc, par in [("tied1", 1, {"dp_shard": 1}), ("tied-dp2tp2", 4, {"dp_shard": 2, "tp": 2})]:
-        uri = f"file://{tmp_path}/{name}"
-        rc, log = trainer.run(trainer.job(name, nproc=nproc, run_uri=uri, model=tied, steps=STEPS, parallel=par), nproc)
-        assert rc == 0, log[-3000:]
-        got[name] = losses(uri)
-    _check_matches(got["tied1"], got["tied-dp2tp2"])
+    sequence; learned positions added before the sequence is split (world 1 vs dp 2 × tp 2)."""
+    _check_matches(losses(_ran(worlds, "tied1")), losses(_ran(worlds, "tied-dp2tp2")))
 
 
 _SHARED_WORLD_RUNNER = """
