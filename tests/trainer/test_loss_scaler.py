@@ -59,17 +59,23 @@ def test_overflow_skips_the_step_and_halves_the_scale_then_grows():
 
 
 @pytest.mark.slow
-def test_fp16_under_fsdp2_world2_trains_like_fp32_and_checkpoints_the_scale(trainer, tmp_path):
-    from conftest import losses
+def test_fp16_under_fsdp2_world2_trains_like_fp32_and_checkpoints_the_scale(tmp_path):
+    from conftest import REPO, Trainer, losses, run_world
 
-    runs = {}
+    # Both runs in one world-2 torchrun, in turn (tests/trainer/trainer_world.py): each its own
+    # process group, run URI, output and exit code.
+    cases = []
     for prec in ("fp32", "fp16"):
         uri = f"file://{tmp_path}/{prec}"
-        job = trainer.job(prec, nproc=2, run_uri=uri, steps=4, every=2, precision=prec,
-                          batch_size=8, micro_batch_size=2)
-        rc, out = trainer.run(job, 2)
+        job = Trainer(tmp_path).job(prec, nproc=2, run_uri=uri, steps=4, every=2, precision=prec,
+                                    batch_size=8, micro_batch_size=2)
+        cases.append({"name": prec, "job": str(job), "run_uri": uri})
+    world = run_world(tmp_path / "world", 2, REPO / "tests/trainer/trainer_world.py", cases)
+    runs = {}
+    for prec in ("fp32", "fp16"):
+        rc, out = world.case(prec)
         assert rc == 0, out[-3000:]
-        runs[prec] = uri
+        runs[prec] = world.cases[prec]["run_uri"]
     assert losses(runs["fp16"]) == losses(runs["fp32"])
     from torch.distributed.checkpoint import FileSystemReader
 

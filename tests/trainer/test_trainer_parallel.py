@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import DENSE, MOE, REPO, Trainer, free_port, losses, torchrun_script, two_nodes, worlds_per_size
+from conftest import DENSE, MOE, REPO, Trainer, free_port, losses, two_nodes, worlds_per_size
 
 from orchestrator.contract import runuri
 from orchestrator.plan.presets import ModelSpec
@@ -57,6 +57,9 @@ def worlds(request, tmp_path_factory):
         uri = f"file://{tmp}/{name}/run"
         job = t.job(name, nproc=nproc, run_uri=uri, model=model, parallel=parallel, steps=STEPS, **extra)
         cases.append((nproc, {"name": name, "job": str(job), "run_uri": uri, "tests": tests}))
+    for name, (text, test) in SCRIPTS.items():  # muon_split last: it patches trainer.optim.newton_schulz
+        (tmp / f"{name}.py").write_text(text)
+        cases.append((2, {"name": name, "script": str(tmp / f"{name}.py"), "tests": [test]}))
     return worlds_per_size(request, tmp, REPO / "tests/trainer/trainer_world.py", cases)
 
 
@@ -176,36 +179,13 @@ def test_tp2_tied_learned_positions_matches_world1(worlds):
     _check_matches(losses(_ran(worlds, "tied1")), losses(_ran(worlds, "tied-dp2tp2")))
 
 
-_SHARED_WORLD_RUNNER = """
-import builtins, sys, torch.distributed as dist
-dist.init_process_group("gloo")
-for path in sys.argv[1:]:
-    name = path.rsplit("/", 1)[-1].removesuffix(".py")
-    src = open(path).read().replace('dist.init_process_group("gloo")', "").replace("dist.destroy_process_group()", "")
-    tagged = lambda *a, _n=name, **k: builtins.print(f"[{_n}]", *a, **k)
-    exec(compile(src, path, "exec"), {"__name__": "__main__", "print": tagged})
-    dist.barrier()
-dist.destroy_process_group()
-"""
-
-
-@pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    """One world-2 torchrun for this module's layout scripts, run in turn in the same processes
-    (each script's own process group set-up left out); each test reads its script's lines."""
-    tmp = tmp_path_factory.mktemp("world2")
-    paths = []
-    for name, text in (("tp_layout", _TP_LAYOUT_SCRIPT), ("z_loss", _Z_LOSS_SCRIPT),
-                       ("muon_split", _MUON_SPLIT_SCRIPT)):  # muon_split last: it patches newton_schulz
-        (tmp / f"{name}.py").write_text(text)
-        paths.append(str(tmp / f"{name}.py"))
-    out = torchrun_script(tmp, _SHARED_WORLD_RUNNER, 2, *paths, timeout=300).stdout
-
-    def lines(name: str) -> str:
-        tag = f"[{name}] "
-        return "".join(x[len(tag):] + "\n" for x in out.splitlines() if x.startswith(tag))
-
-    return lines
+def world2(worlds, name: str) -> str:
+    """What the layout script ``name`` printed (every rank's output), run as a case of the world-2
+    torchrun (in its own process group, after this module's world-2 trainer runs)."""
+    world = worlds(2)
+    rc, log = world.case(name)
+    assert rc == 0, log[-3000:]
+    return "".join((world.dir(name) / f"rank{r}.log").read_text() for r in range(2))
 
 
 _TP_LAYOUT_SCRIPT = '''
@@ -239,10 +219,10 @@ dist.destroy_process_group()
 '''
 
 
-def test_tp_is_sequence_parallel_with_a_vocab_sharded_loss(world2):
+def test_tp_is_sequence_parallel_with_a_vocab_sharded_loss(worlds):
     """The residual stream between blocks holds this rank's half of the sequence; the head's
     logits stay vocab-sharded (loss parallel: no full-vocab all-gather)."""
-    out = world2("tp_layout")
+    out = world2(worlds, "tp_layout")
     assert "LOGITS DTensor (Shard(dim=2),) (2, 32, 128)" in out, out
     assert "BLOCK_OUT (2, 16, 64)" in out, out
     assert "NORM DTensor" in out, out
@@ -276,13 +256,13 @@ dist.destroy_process_group()
 '''
 
 
-def test_z_loss_under_loss_parallel_keeps_the_vocabulary_sharded(world2):
+def test_z_loss_under_loss_parallel_keeps_the_vocabulary_sharded(worlds):
     """z-loss's logsumexp on vocab-sharded logits: before, ``torch.logsumexp`` on the DTensor
     all-gathered the whole vocabulary on every TP rank (mb·T·V fp32, the memory loss parallel
     exists to avoid). Now two small all-reduces; loss and gradient equal the unsharded ones."""
     import re
 
-    out = world2("z_loss")
+    out = world2(worlds, "z_loss")
     m = re.search(r"LOSS (\S+) REF (\S+) GRAD_ERR (\S+)", out)
     assert m and abs(float(m.group(1)) - float(m.group(2))) < 1e-5 and float(m.group(3)) < 1e-6, out
     comms = re.search(r"COMMS (.*)", out).group(1)
@@ -319,11 +299,16 @@ dist.destroy_process_group()
 '''
 
 
-def test_muon_splits_newton_schulz_across_ranks(world2):
+def test_muon_splits_newton_schulz_across_ranks(worlds):
     import re
 
-    out = world2("muon_split")
+    out = world2(worlds, "muon_split")
     got = {int(r): (int(n), int(m)) for r, n, m in re.findall(r"RANK(\d) NS=(\d+) MATS=(\d+)", out)}
     assert set(got) == {0, 1}
     mats = got[0][1]
     assert got[0][0] + got[1][0] == mats and abs(got[0][0] - got[1][0]) <= 1  # each matrix once, split evenly
+
+
+SCRIPTS = {"tp_layout": (_TP_LAYOUT_SCRIPT, "test_tp_is_sequence_parallel_with_a_vocab_sharded_loss"),
+           "z_loss": (_Z_LOSS_SCRIPT, "test_z_loss_under_loss_parallel_keeps_the_vocabulary_sharded"),
+           "muon_split": (_MUON_SPLIT_SCRIPT, "test_muon_splits_newton_schulz_across_ranks")}

@@ -5,15 +5,18 @@ tests/trainer/conftest.py, protocol in tests/trainer/world_cases.py):
 
 Each case (``{"name", "out", "job": JOB.yaml, "run_uri": URI}``) runs the real trainer entry,
 ``trainer.train.main(["--job", JOB, "--run-uri", URI])``, which creates and destroys its own
-process group as under torchrun. Each case rendezvouses on a fresh store (rank 0's
-``init_process_group`` starts it on a free port of 127.0.0.1, published to the other ranks through
-torchrun's agent store): a default process group re-created on the same store would find the
-previous one's keys, since group names restart at 0 after ``destroy_process_group``.
+process group as under torchrun; a case ``{"name", "out", "script": PATH}`` runs a test script
+that does the same (``init_process_group("gloo")`` … ``destroy_process_group()``) as ``__main__``.
+Each case rendezvouses on a fresh store (rank 0's ``init_process_group`` starts it on a free port
+of 127.0.0.1, published to the other ranks through torchrun's agent store): a default process
+group re-created on the same store would find the previous one's keys, since group names restart
+at 0 after ``destroy_process_group``.
 """
 
 from __future__ import annotations
 
 import os
+import runpy
 import socket
 import sys
 from datetime import timedelta
@@ -43,6 +46,10 @@ def run(case: dict, rank: int) -> int:
     else:
         port = int(_agent[0].get(key))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
+    if "script" in case:
+        sys.argv = [case["script"]]
+        runpy.run_path(case["script"], run_name="__main__")
+        return 0
     return main(["--job", case["job"], "--run-uri", case["run_uri"]])
 
 
