@@ -50,7 +50,7 @@ from orchestrator.run.recovery import FailoverStrategy, counted_attempts, preemp
 from orchestrator.plan.spec import JobSpec, spec_to_yaml
 from orchestrator.run.state import ACTIVE_STATES, HOST, TERMINAL_STATES, StateStore, dtrun_home
 from providers import errors as perr
-from providers.base import Handle, LaunchRequest, NodeState, Offer, OwnedInstance, Provider
+from providers.base import PREEMPT_EXIT_CODES, Handle, LaunchRequest, NodeState, Offer, OwnedInstance, Provider
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BOOTSTRAP = REPO_ROOT / "infra" / "node_bootstrap.py"
@@ -1025,6 +1025,10 @@ class Controller:
 
     def _attempt_ended(self, n: int, att: dict, nodes: list[dict], ended: list[NodeState]) -> None:
         wd = self._watchdog_reason(att)
+        lost = self._node_lost(n) if NodeState.FAILED in ended and wd is None else None
+        if lost:
+            self._begin_recovery("preempted", f"attempt {n}: preempted: {lost}")
+            return
         if NodeState.FAILED in ended:
             code = self._exit_code(att)
             tail = self._log_tail(nodes)
@@ -1067,6 +1071,31 @@ class Controller:
         why = self._end_reasons(nodes)
         self._begin_recovery("preempted", f"attempt {n}: preempted" + (f" (watchdog: {wd})" if wd else "")
                              + (f": {why}" if why else ""))
+
+    def _node_lost(self, n: int) -> str | None:
+        """Several nodes: did the cluster's job fail because one of its nodes was lost rather than
+        because the trainer failed? Yes when a node's own record says it exited 75 ("resume me":
+        its peer was gone), none says another non-zero exit (76, a watchdog stop, has its own
+        path), and a node never reported its exit (it vanished with its machine). SkyPilot reports
+        such a job FAILED, without the exit marker, when its job driver sees a node's task die
+        before the survivors' exit reaches the log (seen on the emulated Lambda cloud): counted as
+        a trainer failure, preemptions would use up ``recovery.max_restarts_on_errors``. Returns
+        what happened, or None."""
+        if self.spec.resources.nodes < 2:
+            return None
+        try:
+            recs = runuri.node_records(self.run_uri, n)
+        except OSError:
+            return None
+        exited = {r.get("rank"): r.get("exit_code") for r in recs if r.get("state") == "EXITED"}
+        if any(c not in PREEMPT_EXIT_CODES and c != 0 for c in exited.values()):
+            return None  # a node's own failure: the trainer failed
+        resumers = sorted(r for r, c in exited.items() if c == runuri.EXIT_PREEMPTED)
+        silent = [r for r in range(self.spec.resources.nodes) if r not in exited]
+        if not resumers or not silent:
+            return None
+        return (f"node {', '.join(map(str, silent))} of {self.spec.resources.nodes} stopped reporting (lost); "
+                f"node {', '.join(map(str, resumers))} exited {exited[resumers[0]]} (resume me)")
 
     def _end_reasons(self, nodes: list[dict]) -> str:
         """What the providers say ended these nodes (Modal: an eviction), joined; '' if nothing."""

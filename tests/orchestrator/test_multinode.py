@@ -59,6 +59,64 @@ class TwoNodes:
         return None
 
 
+class LostWorker(TwoNodes):
+    """Attempt 1 as SkyPilot reported it on the emulated Lambda cloud: node 1's machine vanished
+    at step 150 (its record left RUNNING), node 0's ranks found their peer gone and exited 75, and
+    the cluster's job came back FAILED without the exit marker (its driver saw node 1's task die)."""
+
+    def __call__(self, inst, now):
+        a = int(inst.env["DTRUN_ATTEMPT"])
+        if a == 1 and now - inst.ready_at >= 150 * STEP_S:
+            uri = inst.env["DTRUN_RUN_URI"]
+            runuri.write_json(runuri.node_uri(uri, 1, 0), {
+                "attempt": 1, "rank": 0, "nnodes": 2, "ip": "10.1.0.2", "host": "n0", "state": "EXITED",
+                "exit_code": 75, "updated": now})
+            return (1, now)
+        return super().__call__(inst, now)
+
+
+def test_a_lost_node_that_fails_the_cluster_job_is_a_preemption_not_a_trainer_failure(tmp_path, dtrun_home):
+    clock = VirtualClock()
+    cloud = FakeProvider(clock=clock, offers=[FakeOfferTemplate("fake-east", "H100", True, 1.0)],
+                         provision_seconds=60, autodown_seconds=None, workload=LostWorker())
+    store = StateStore()
+    spec = _spec(tmp_path)
+    spec.recovery.max_restarts_on_errors = 0  # a trainer failure would end the job at once
+    c = Controller(spec, store, clock=clock, providers={"fake": cloud})
+    assert c.run() == "SUCCEEDED"
+    atts = store.attempts("twonodes")
+    assert [a["outcome"] for a in atts] == ["preempted", "succeeded"], [a["reason"] for a in atts]
+    assert "node 1 of 2 stopped reporting (lost); node 0 exited 75" in atts[0]["reason"]
+    assert store.get_job("twonodes")["restarts_used"] == 0
+
+
+class CrashedWorker(TwoNodes):
+    """The same cluster job FAILED, but node 1 reported its own exit 1 (its trainer crashed): that
+    is a trainer failure, whatever node 0 exited with."""
+
+    def __call__(self, inst, now):
+        if now - inst.ready_at >= 150 * STEP_S:
+            uri, a = inst.env["DTRUN_RUN_URI"], int(inst.env["DTRUN_ATTEMPT"])
+            for rank, code in ((0, 75), (1, 1)):
+                runuri.write_json(runuri.node_uri(uri, a, rank), {
+                    "attempt": a, "rank": rank, "nnodes": 2, "ip": f"10.{a}.0.{rank + 2}", "host": f"n{rank}",
+                    "state": "EXITED", "exit_code": code, "updated": now})
+            return (1, now)
+        return super().__call__(inst, now)
+
+
+def test_a_node_that_reports_its_own_failure_is_a_trainer_failure(tmp_path, dtrun_home):
+    clock = VirtualClock()
+    cloud = FakeProvider(clock=clock, offers=[FakeOfferTemplate("fake-east", "H100", True, 1.0)],
+                         provision_seconds=60, autodown_seconds=None, workload=CrashedWorker())
+    store = StateStore()
+    spec = _spec(tmp_path)
+    spec.recovery.max_restarts_on_errors = 0
+    c = Controller(spec, store, clock=clock, providers={"fake": cloud})
+    assert c.run() == "FAILED"
+    assert [a["outcome"] for a in store.attempts("twonodes")] == ["failed"]
+
+
 def _spec(tmp_path, **res):
     return parse_spec({
         "name": "twonodes",
