@@ -75,15 +75,21 @@ class LostWorker(TwoNodes):
         return super().__call__(inst, now)
 
 
-def test_a_lost_node_that_fails_the_cluster_job_is_a_preemption_not_a_trainer_failure(tmp_path, dtrun_home):
+def _run_without_restarts(tmp_path, workload) -> tuple[str, StateStore]:
+    """Run the two-node job on the fake cloud with ``max_restarts_on_errors: 0``: a trainer
+    failure ends the job at once."""
     clock = VirtualClock()
     cloud = FakeProvider(clock=clock, offers=[FakeOfferTemplate("fake-east", "H100", True, 1.0)],
-                         provision_seconds=60, autodown_seconds=None, workload=LostWorker())
+                         provision_seconds=60, autodown_seconds=None, workload=workload)
     store = StateStore()
     spec = _spec(tmp_path)
-    spec.recovery.max_restarts_on_errors = 0  # a trainer failure would end the job at once
-    c = Controller(spec, store, clock=clock, providers={"fake": cloud})
-    assert c.run() == "SUCCEEDED"
+    spec.recovery.max_restarts_on_errors = 0
+    return Controller(spec, store, clock=clock, providers={"fake": cloud}).run(), store
+
+
+def test_a_lost_node_that_fails_the_cluster_job_is_a_preemption_not_a_trainer_failure(tmp_path, dtrun_home):
+    state, store = _run_without_restarts(tmp_path, LostWorker())
+    assert state == "SUCCEEDED"
     atts = store.attempts("twonodes")
     assert [a["outcome"] for a in atts] == ["preempted", "succeeded"], [a["reason"] for a in atts]
     assert "node 1 of 2 stopped reporting (lost); node 0 exited 75" in atts[0]["reason"]
@@ -106,14 +112,8 @@ class CrashedWorker(TwoNodes):
 
 
 def test_a_node_that_reports_its_own_failure_is_a_trainer_failure(tmp_path, dtrun_home):
-    clock = VirtualClock()
-    cloud = FakeProvider(clock=clock, offers=[FakeOfferTemplate("fake-east", "H100", True, 1.0)],
-                         provision_seconds=60, autodown_seconds=None, workload=CrashedWorker())
-    store = StateStore()
-    spec = _spec(tmp_path)
-    spec.recovery.max_restarts_on_errors = 0
-    c = Controller(spec, store, clock=clock, providers={"fake": cloud})
-    assert c.run() == "FAILED"
+    state, store = _run_without_restarts(tmp_path, CrashedWorker())
+    assert state == "FAILED"
     assert [a["outcome"] for a in store.attempts("twonodes")] == ["failed"]
 
 
