@@ -13,11 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.e2e.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -190,14 +192,7 @@ def test_up_on_modal_succeeds_and_spend_matches_the_bill(world):
     assert bill["usd"] <= st["cost_usd"] <= bill["usd"] * 1.25 + 0.002, (st["cost_usd"], bill)
 
 
-def _wait(pred, timeout: float, what: str, every: float = 0.5):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
+_wait = partial(wait_until, every=0.5)
 
 
 def _step(w, name: str) -> int:

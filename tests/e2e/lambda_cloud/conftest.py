@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.lambdalab import lab as lablib
+from tests.e2e.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -123,18 +124,6 @@ def job_yaml(tmp_path, name: str, bucket: str, steps: int = 30, every: int = 10,
     p.write_text(JOB.format(name=name, provider=provider, nodes=nodes, dp=2 * nodes, steps=steps, every=every,
                             uri=uri or f"s3://{bucket}/{{name}}"))
     return p
-
-
-def wait_until(pred, timeout: float, what: str, every: float = 1.0):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"after {timeout:.0f} s: {what}")
 
 
 def check_money(cost: dict, bill_rows: list[dict], poll_seconds: float = 5.0) -> None:
