@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from orchestrator.cli.options import JobArg
+from orchestrator.contract import nodeenv, runuri
 from orchestrator.contract.errors import NoOfferError, UsageError
 
 if TYPE_CHECKING:  # pydantic and the presets load only when a command runs
@@ -33,8 +34,8 @@ SKYPILOT_CLOUDS = ("runpod", "lambda", "vast")
 
 WRITE_JOB_YAML = (
     'python -c "import os; from orchestrator.contract import runuri; '
-    "u = runuri.join(os.environ['DTRUN_RUN_URI'], 'job.yaml'); "
-    "runuri.exists(u) or runuri.write_text(u, os.environ['DTRUN_JOB_YAML'])\""
+    f"u = runuri.join(os.environ['{nodeenv.RUN_URI}'], '{runuri.JOB_FILE}'); "
+    f"runuri.exists(u) or runuri.write_text(u, os.environ['{nodeenv.JOB_YAML}'])\""
 )
 
 
@@ -91,28 +92,22 @@ def skypilot_task(spec: JobSpec, workdir: str = ".") -> tuple[dict[str, Any], li
     first = any_of[0]
     offer = Offer(first["infra"].split("/")[0], "any", r.gpu, r.gpus_per_node, first["use_spot"], 0.0,
                   nodes=r.nodes)
-    env = {
-        "DTRUN_RUN_URI": spec.run_uri,
-        "DTRUN_JOB": spec.name,
-        "DTRUN_ATTEMPT": "1",
-        "DTRUN_NPROC_PER_NODE": str(r.gpus_per_node),
-        "DTRUN_IDLE_MINUTES": str(spec.teardown.idle_minutes),
-        "DTRUN_JOB_YAML": spec_to_yaml(spec),
-    }
-    if spec.budget.max_usd is not None:
-        env["DTRUN_BUDGET_LEFT_USD"] = f"{spec.budget.max_usd / r.nodes:g}"  # per node
-        price = _max_price(req, [a["infra"].split("/")[0] for a in any_of])
-        if price is not None:
-            env["DTRUN_PRICE_PER_HOUR"] = f"{price * r.gpus_per_node:.4f}"
-            notes.append(f"DTRUN_PRICE_PER_HOUR is the highest catalog price of the listed options "
-                         f"(${price:.2f}/GPU-h): the node's budget watchdog errs on the safe side")
+    price = _max_price(req, [a["infra"].split("/")[0] for a in any_of]) if spec.budget.max_usd is not None else None
+    if price is not None:
+        notes.append(f"DTRUN_PRICE_PER_HOUR is the highest catalog price of the listed options "
+                     f"(${price:.2f}/GPU-h): the node's budget watchdog errs on the safe side")
     if spec.budget.max_hours is not None:
         notes.append(f"budget.max_hours ({spec.budget.max_hours:g} h) is not enforced on the node: its deadline "
                      f"is an absolute time set by dtrun at launch (add --env DTRUN_DEADLINE=<unix time>)")
-    if spec.teardown.controller_lost_minutes is not None:
-        env["DTRUN_CONTROLLER_LOST_MINUTES"] = f"{spec.teardown.controller_lost_minutes:g}"
+    # The controller's builder, for attempt 1 with nothing spent; no launch time (the node counts
+    # from its own start) and no deadline (absolute, set at launch); the spec travels along.
+    env = nodeenv.to_env(nodeenv.for_launch(
+        run_uri=spec.run_uri, job=spec.name, attempt=1, gpus_per_node=r.gpus_per_node, nodes=r.nodes,
+        idle_minutes=spec.teardown.idle_minutes,
+        price_per_hour=None if price is None else price * r.gpus_per_node, max_usd=spec.budget.max_usd,
+        controller_lost_minutes=spec.teardown.controller_lost_minutes, job_yaml=spec_to_yaml(spec)))
     req_launch = LaunchRequest(job=spec.name, attempt=1, offer=offer, nodes=r.nodes,
-                               command=["python", "infra/node_bootstrap.py"], env=env, workdir=workdir)
+                               command=nodeenv.bootstrap_command(), env=env, workdir=workdir)
     cfg = build_task_config(offer.provider, req_launch)
     cfg["name"] = f"dtrun-{spec.name}"
     cfg["resources"] = {"any_of": any_of}
