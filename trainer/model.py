@@ -29,8 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from orchestrator.plan.planner import LOSS_CHUNK_BYTES  # fp32 logits bytes per loss chunk (the planner counts it)
-from orchestrator.plan.presets import ModelSpec
+from orchestrator.plan.presets import LOSS_CHUNK_BYTES, ModelSpec  # the loss chunk: the planner counts it
 
 
 def _norm(spec: ModelSpec, dim: int) -> nn.Module:

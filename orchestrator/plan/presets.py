@@ -210,6 +210,12 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+LOSS_CHUNK_BYTES = 256 << 20
+"""fp32 logits bytes the trainer's loss (``trainer.model.loss_fn``) upcasts at a time; the memory
+planner (``plan/memory.py``) counts one such chunk. Here, beside the shapes, because both sides
+read it and the trainer imports nothing of the planner."""
+
+
 def resolve_model(model: str | ModelSpec) -> ModelSpec:
     """A preset name or an explicit shape → the shape."""
     if isinstance(model, ModelSpec):

@@ -169,7 +169,7 @@ def _fsdp_nodes(c: _Ctx) -> Trap | None:
 
 
 def _heavier_rung(c: _Ctx) -> Trap | None:
-    from orchestrator.plan.planner import strategy_name
+    from orchestrator.plan.ladder import strategy_name
 
     s, p = c.spec, c.plan
     par = s.trainer.parallel
@@ -191,7 +191,7 @@ def _heavier_rung(c: _Ctx) -> Trap | None:
 
 def _smallest_gpu(spec: JobSpec) -> tuple[str, object] | None:
     """The smallest (memory, then peak) GPU that runs the job alone, with the same micro-batch."""
-    from orchestrator.plan.planner import plan, planned_micro_batch
+    from orchestrator.plan.ladder import plan, planned_micro_batch
 
     mb = spec.trainer.micro_batch_size or planned_micro_batch(spec, spec.parallel_degrees)
     data = spec.model_dump(mode="json", exclude_none=True)
@@ -243,7 +243,7 @@ def _fp32_scale(c: _Ctx) -> Trap | None:
 
 
 def _fit(c: _Ctx) -> Trap | None:
-    from orchestrator.plan.planner import evaluate_spec_parallel
+    from orchestrator.plan.ladder import evaluate_spec_parallel
 
     p = c.plan
     if p is None or c.gpu == "cpu":
@@ -317,7 +317,7 @@ def find_traps(spec: JobSpec, offer: Offer | None = None, plan: object | None = 
 
         gpu = canonical_gpu(gpu) or r.gpu
     if plan is None:
-        from orchestrator.plan.planner import plan as make_plan
+        from orchestrator.plan.ladder import plan as make_plan
 
         try:
             plan = make_plan(spec, gpu=gpu, gpus_per_node=gpn, nodes=nodes)

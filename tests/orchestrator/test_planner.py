@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from orchestrator.plan.planner import (
-    DoesNotFit, activation_bytes, param_shapes, plan, resolve_parallel, state_bytes_per_rank,
-)
+from orchestrator.plan.ladder import plan
+from orchestrator.plan.memory import activation_bytes, param_shapes, state_bytes_per_rank
+from orchestrator.plan.planner import DoesNotFit, resolve_parallel
 from orchestrator.plan.presets import PRESETS, ModelSpec
 from orchestrator.contract.errors import SpecError
 from orchestrator.plan.spec import JobSpec, Parallel, parse_spec
@@ -210,7 +210,7 @@ def test_explicit_hsdp_degrees_validate_against_the_gpus():
     spec = job("tiny", "H100", 4, 2, 128, 8, parallel={"dp_replicate": 2, "dp_shard": 4})
     assert spec.parallel_degrees.dp_replicate == 2
     assert job("tiny", "H100", 4, 2, 128, 8, parallel={"dp_replicate": 2}).parallel_degrees.dp_shard == 4
-    from orchestrator.plan.planner import strategy_name
+    from orchestrator.plan.ladder import strategy_name
 
     assert strategy_name(spec.parallel_degrees, 8) == "hsdp-zero3"
     with pytest.raises(SpecError, match=r"dp_replicate \(2\) × dp_shard \(8\) × tp \(1\) = 16"):
@@ -223,7 +223,8 @@ def test_explicit_hsdp_degrees_validate_against_the_gpus():
 
 def test_zero3_counts_two_gathered_blocks():
     """FSDP2 gathers the next block while the current one computes: two blocks' parameters."""
-    from orchestrator.plan.planner import PREFETCHED_BLOCKS, Parallel, evaluate_rung, param_shapes
+    from orchestrator.plan.ladder import evaluate_rung
+    from orchestrator.plan.memory import PREFETCHED_BLOCKS, param_shapes
 
     spec = _host_spec(["lambda"], gpus=8)
     ms = spec.trainer.model_spec
@@ -254,7 +255,8 @@ def test_modal_host_memory_counts_the_pinned_staging_copy():
     """llama3-8b on 8 H100: ~12 B/param/rank staged for async saves ≈ 12 GB per rank (the review's
     figure), plus the loader and process allowance: 12 GiB per GPU on Modal is refused before
     renting, with the figure to raise it to; the default 48 GiB fits."""
-    from orchestrator.plan.planner import fit_check, host_bytes_per_node
+    from orchestrator.plan.memory import host_bytes_per_node
+    from orchestrator.plan.planner import fit_check
 
     spec = _host_spec(["modal"], mem=12)
     p, why = fit_check(spec)
