@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from providers import errors as perr
+from providers import pricing
 from providers._jsonstore import dtrun_home, locked_json
 from providers.base import (
     PREEMPT_EXIT_CODES,
@@ -245,9 +246,7 @@ class ModalProvider(Provider):
     def offers(self, req: Requirements) -> list[Offer]:
         if self.refuse(req) is not None:
             return []
-        from providers.catalog import catalog_offers
-
-        return [o for o in catalog_offers("modal", req) if o.provider == "modal" and not o.spot
+        return [o for o in pricing.offers("modal", req) if o.provider == "modal" and not o.spot
                 and (req.max_price_per_gpu_hour is None or o.price_per_gpu_hour <= req.max_price_per_gpu_hour)]
 
     def sandbox_spec(self, request: LaunchRequest, now: float | None = None) -> SandboxSpec:

@@ -15,7 +15,7 @@ one (the user's: never stopped by dtrun) or starts one with ``sky.api_start()`` 
 that dtrun did; :meth:`SkyAPI.close` (the controller's exit) stops only that one, with
 ``sky.api_stop()``, which kills the server's whole process tree. A server that cannot start
 (the half-dead case: a leftover process on its port) becomes one ``RuntimeError`` that says
-what to run (``providers.skypilot.HALF_DEAD``).
+what to run (``providers.skypilot.errors.HALF_DEAD``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from providers.skypilot.errors import HALF_DEAD, clean
 
 
 @dataclass(frozen=True)
@@ -137,16 +139,12 @@ class SkyAPI:
                     if self._healthy(server_common):
                         _SERVER["checked"] = True
                         return
-                from providers.skypilot import HALF_DEAD
-
                 raise RuntimeError(f"{HALF_DEAD} (a SkyPilot API server process holds the port but has "
                                    f"not answered for {HALF_DEAD_WAIT_SECONDS:.0f} s)")
 
             try:
                 sky.api_start()
             except RuntimeError as e:
-                from providers.skypilot import HALF_DEAD, clean
-
                 raise RuntimeError(f"{HALF_DEAD} (SkyPilot API server: {clean(str(e)).splitlines()[0]})") from None
             _SERVER["checked"] = True
             _SERVER["started_by_dtrun"] = True

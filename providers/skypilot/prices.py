@@ -9,7 +9,7 @@ run). Each fetcher runs in its own process (``python -m providers.skypilot.fetch
 nothing here imports ``sky``. A refresh that fails, times out or returns something that is not a
 price list leaves the installed catalog as it was and says so in one line.
 
-The record, ``$DTRUN_HOME/prices/<cloud>.json``: when the catalog was fetched, the fetcher's size
+The record, ``$DTRUN_HOME/prices/<cloud>.json`` (read by ``providers.skypilot.catalog``): when the catalog was fetched, the fetcher's size
 and mtime of the file it installed (a catalog replaced since — SkyPilot's own pull, a user's copy —
 is no longer labelled live), the live spot figures (``spot.json`` of the fetch), and the last error.
 """
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from providers._jsonstore import dtrun_home
+from providers.skypilot import credentials
+from providers.skypilot.catalog import age_text, live_record, read_record, record_path, sky_catalog_path
 
 CLOUDS = ("runpod", "vast", "lambda")
 MAX_AGE_HOURS = 24.0
@@ -56,42 +57,6 @@ class RefreshResult:
                 "seconds": round(self.seconds, 3)}
 
 
-def record_path(cloud: str) -> Path:
-    return dtrun_home() / "prices" / f"{cloud}.json"
-
-
-def read_record(cloud: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(record_path(cloud).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def live_record(cloud: str, catalog: Path) -> dict[str, Any] | None:
-    """The record of the last refresh when ``catalog`` is still the file it installed, else None."""
-    rec = read_record(cloud)
-    if not rec or not rec.get("fetched_at"):
-        return None
-    try:
-        st = catalog.stat()
-    except OSError:
-        return None
-    if rec.get("size") != st.st_size or rec.get("mtime_ns") != st.st_mtime_ns:
-        return None
-    return rec
-
-
-def age_text(seconds: float) -> str:
-    s = max(0.0, seconds)
-    if s < 90:
-        return f"{s:.0f} s ago"
-    if s < 90 * 60:
-        return f"{s / 60:.0f} min ago"
-    if s < 48 * 3600:
-        return f"{s / 3600:.1f} h ago"
-    return f"{s / 86400:.0f} days ago"
-
-
 def _write_record(cloud: str, **fields: Any) -> None:
     p = record_path(cloud)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -104,8 +69,6 @@ def _write_record(cloud: str, **fields: Any) -> None:
 
 def usable_clouds() -> dict[str, str | None]:
     """cloud → None when its credentials are usable, else why not (SkyPilot's offline check)."""
-    from providers.skypilot import credentials
-
     return {c: credentials.problem(c) for c in CLOUDS}
 
 
@@ -137,8 +100,6 @@ def _env_float(name: str, default: float) -> float:
 def refresh(clouds: list[str] | None = None, timeout_s: float | None = None) -> list[RefreshResult]:
     """Run the fetchers (in parallel, one process each) for ``clouds`` (default: every cloud whose
     credentials are usable) and install what each returns. Never raises for a cloud's failure."""
-    from providers.catalog import sky_catalog_path
-
     timeout_s = timeout_s if timeout_s is not None else _env_float("DTRUN_PRICES_TIMEOUT_S", TIMEOUT_S)
 
     usable = usable_clouds()
@@ -173,8 +134,6 @@ def refresh(clouds: list[str] | None = None, timeout_s: float | None = None) -> 
 
 def _install(cloud: str, rc: int | None, err: str, out: Path, timed_out: bool, timeout_s: float,
              secs: float) -> RefreshResult:
-    from providers.catalog import sky_catalog_path
-
     now = time.time()
     if timed_out:
         why = f"timed out after {timeout_s:g} s"
@@ -205,8 +164,6 @@ def _install(cloud: str, rc: int | None, err: str, out: Path, timed_out: bool, t
 
 def fallback_text(cloud: str) -> str:
     """Where a cloud's prices come from when no fresh fetch is installed (for the one line)."""
-    from providers.catalog import sky_catalog_path
-
     path = sky_catalog_path(cloud)
     rec = live_record(cloud, path)
     if rec:

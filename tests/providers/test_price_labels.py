@@ -12,9 +12,10 @@ import time
 import pytest
 
 from providers.base import LaunchRequest, Requirements
-from providers.catalog import catalog_offers, catalog_rows
+from providers.catalog import catalog_offers
 from providers.skypilot import build_task_config
-from providers.skypilot.prices import record_path, stale_clouds
+from providers.skypilot.catalog import catalog_rows, record_path
+from providers.skypilot.prices import stale_clouds
 
 HEADER = "InstanceType,AcceleratorName,AcceleratorCount,vCPUs,MemoryGiB,Region,SpotPrice,Price,AvailabilityZone,GpuInfo\n"
 

@@ -317,9 +317,9 @@ def test_every_skypilot_status_is_mapped():
     from sky.skylet import job_lib
     from sky.utils import status_lib
 
-    from providers.skypilot import _JOB_STATE, CLUSTER_STATES
+    from providers.skypilot import CLUSTER_STATES, JOB_STATES
 
-    assert {s.value for s in job_lib.JobStatus} <= set(_JOB_STATE)
+    assert {s.value for s in job_lib.JobStatus} <= set(JOB_STATES)
     assert {s.value for s in status_lib.ClusterStatus} <= set(CLUSTER_STATES)
 
 
