@@ -219,7 +219,7 @@ def step_seconds(spec: JobSpec, gpu: str | None = None, gpus: int | None = None)
 
 def node_image(spec: JobSpec, provider: str) -> str | None:
     """The container image a node of ``provider`` runs (None: the provider's own image/VM)."""
-    from orchestrator.plan.spec import DEFAULT_NODE_IMAGE
+    from orchestrator.plan.sections import DEFAULT_NODE_IMAGE
 
     img = spec.resources.image
     if provider not in IMAGE_PROVIDERS or img == "none":

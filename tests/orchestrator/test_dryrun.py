@@ -225,10 +225,10 @@ def test_the_dry_run_keeps_off_what_it_does_not_use():
 
 def test_the_schema_describes_every_documented_field():
     """Field docstrings reach `dtrun schema` without pydantic parsing them on every import."""
-    from orchestrator.plan import presets, spec
+    from orchestrator.plan import presets, sections, spec
 
     schema = spec.json_schema()
-    for name, docs in {**spec.field_docs(presets), **spec.field_docs(spec)}.items():
+    for name, docs in {**spec.field_docs(presets), **spec.field_docs(sections), **spec.field_docs(spec)}.items():
         props = (schema if name == "JobSpec" else schema["$defs"].get(name, {})).get("properties", {})
         for field in docs:
             if field in props:
