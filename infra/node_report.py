@@ -20,27 +20,7 @@ import threading
 import time
 from typing import IO, Any, Callable
 
-from orchestrator.contract import runuri
-
-
-def node_ip(env: dict[str, str], rank: int, master: str | None) -> str | None:
-    """This node's private IP: SkyPilot's ``SKYPILOT_NODE_IPS`` line for the rank; else the
-    address this host would use to reach the rendezvous host (a UDP ``connect`` sends nothing);
-    else what the host name resolves to."""
-    ips = [ip.strip() for ip in env.get("SKYPILOT_NODE_IPS", "").splitlines() if ip.strip()]
-    if 0 <= rank < len(ips):
-        return ips[rank]
-    if master:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((master, 9))
-                return s.getsockname()[0]
-        except OSError:
-            pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return None
+from orchestrator.contract import nodeenv, runuri
 
 
 class NodeReport:
@@ -127,7 +107,8 @@ class NodeReport:
 
 
 def report_seconds(env: dict[str, str] | None = None) -> float:
-    raw = (os.environ if env is None else env).get("DTRUN_NODE_REPORT_SECONDS", "").strip()
+    """``DTRUN_NODE_REPORT_SECONDS`` (default 15; anything but a positive number counts as unset)."""
+    raw = (os.environ if env is None else env).get(nodeenv.NODE_REPORT_SECONDS, "").strip()
     try:
         v = float(raw) if raw else 15.0
     except ValueError:

@@ -7,7 +7,7 @@ environment variables, so this module holds:
 - the names (``RUN_URI = "DTRUN_RUN_URI"``, …), and those of the provider's own variables the
   node reads (``SKYPILOT_NODE_IPS``, ``RUNPOD_GPU_COUNT``, …);
 - :class:`NodeEnv`, the typed record of the values; ``None`` means "not in the environment" (the
-  node then applies its default: ``infra/nodeconfig.py``);
+  node then applies its default: ``infra/node_config.py``);
 - :func:`to_env` / :func:`from_env`, record ↔ ``dict[str, str]``; ``from_env(to_env(r)) == r``
   for values at the precision below;
 - :func:`for_launch`, the one builder the controller and the export call, and
@@ -188,6 +188,13 @@ def from_env(env: Mapping[str, str]) -> NodeEnv:
         if req not in values:
             raise NodeEnvError(f"{RUN_URI if req == 'run_uri' else JOB} is not set")
     return NodeEnv(**values)
+
+
+def read_int(env: Mapping[str, str], name: str) -> int | None:
+    """One integer variable of ``env`` (a provider's own, e.g. ``SKYPILOT_NODE_RANK``): None when
+    unset or empty, NodeEnvError naming it when it is not an integer."""
+    raw = (env.get(name) or "").strip()
+    return _parse(_INT, name, raw) if raw else None
 
 
 # ---- what a launch writes ----------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from infra import node_config, node_network, node_proctree, node_watchdog
 from orchestrator.contract import runuri
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,28 +70,28 @@ def _alive(pid: int) -> bool:
 # ---- environment → torchrun flags -----------------------------------------------------------
 
 def test_single_node_is_standalone_with_gpu_count_fallbacks():
-    cfg = nb.NodeConfig.from_env({"DTRUN_RUN_URI": "s3://b/r", "DTRUN_JOB": "j", "RUNPOD_GPU_COUNT": "4"})
+    cfg = node_config.NodeConfig.from_env({"DTRUN_RUN_URI": "s3://b/r", "DTRUN_JOB": "j", "RUNPOD_GPU_COUNT": "4"})
     assert cfg.nproc_per_node == 4 and cfg.nnodes == 1
-    assert nb.torchrun_flags(cfg) == ["--standalone", "--nproc-per-node", "4", "--shutdown-timeout", "40"]
+    assert node_network.torchrun_flags(cfg) == ["--standalone", "--nproc-per-node", "4", "--shutdown-timeout", "40"]
     argv = nb.trainer_argv(cfg, "/tmp/job.yaml")
     assert argv[2:] == ["--standalone", "--nproc-per-node", "4", "--shutdown-timeout", "40", "-m", "trainer",
                         "--job", "/tmp/job.yaml", "--run-uri", "s3://b/r"]
     assert argv[1].endswith("torchrun_launch.py")
-    cfg = nb.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j", "GPU_COUNT": "2",
+    cfg = node_config.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j", "GPU_COUNT": "2",
                                   "DTRUN_NPROC_PER_NODE": "3"})
     assert cfg.nproc_per_node == 3
-    assert nb.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j"}).nproc_per_node == 1
+    assert node_config.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j"}).nproc_per_node == 1
     # The workers' grace after a forwarded SIGTERM follows the watchdog's kill grace.
-    cfg = nb.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j", "DTRUN_KILL_GRACE_SECONDS": "300"})
-    assert nb.torchrun_flags(cfg)[-2:] == ["--shutdown-timeout", "300"]
+    cfg = node_config.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j", "DTRUN_KILL_GRACE_SECONDS": "300"})
+    assert node_network.torchrun_flags(cfg)[-2:] == ["--shutdown-timeout", "300"]
 
 
 def test_skypilot_multi_node_maps_to_static_rendezvous():
     env = {"DTRUN_RUN_URI": "s3://b/r", "DTRUN_JOB": "j", "SKYPILOT_NODE_RANK": "1",
            "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n", "SKYPILOT_NUM_GPUS_PER_NODE": "8",
            "DTRUN_MASTER_PORT": "29600"}
-    cfg = nb.NodeConfig.from_env(env)
-    assert nb.torchrun_flags(cfg) == ["--nproc-per-node", "8", "--shutdown-timeout", "40", "--nnodes", "2", "--node-rank", "1",
+    cfg = node_config.NodeConfig.from_env(env)
+    assert node_network.torchrun_flags(cfg) == ["--nproc-per-node", "8", "--shutdown-timeout", "40", "--nnodes", "2", "--node-rank", "1",
                                       "--master-addr", "10.0.0.5", "--master-port", "29600"]
 
 
@@ -101,8 +102,8 @@ def test_skypilot_multi_node_maps_to_static_rendezvous():
     ({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j", "DTRUN_NNODES": "2"}, "master address"),
 ])
 def test_bad_environment_is_named(env, msg):
-    with pytest.raises(nb.ConfigError, match=msg):
-        nb.NodeConfig.from_env(env)
+    with pytest.raises(node_config.ConfigError, match=msg):
+        node_config.NodeConfig.from_env(env)
 
 
 def test_exit_code_pick():
@@ -116,9 +117,9 @@ def test_exit_code_pick():
 
 def _wd(tmp_path, **kw):
     uri = _run_uri(tmp_path)
-    cfg = nb.NodeConfig(run_uri=uri, job="nodetest", check_seconds=10, stop_grace_seconds=60,
+    cfg = node_config.NodeConfig(run_uri=uri, job="nodetest", check_seconds=10, stop_grace_seconds=60,
                         kill_grace_seconds=30, **kw)
-    return uri, nb.Watchdog(cfg, start=1000.0)
+    return uri, node_watchdog.Watchdog(cfg, start=1000.0)
 
 
 def test_watchdog_budget_fires_before_the_next_check_would_cross(tmp_path):
@@ -154,7 +155,7 @@ def test_watchdog_restart_before_the_providers_timeout(tmp_path):
     assert wd.check(50_000 - 109)[0] == "deadline"
     _, wd = _wd(tmp_path, node_timeout_seconds=86400.0, restart_grace_seconds=1200.0, deadline=end + 60)
     assert wd.check(end - 109)[0] == "restart"  # the deadline is past the restart point: restart first
-    cfg = nb.NodeConfig.from_env({"DTRUN_RUN_URI": "file:///x", "DTRUN_JOB": "j",
+    cfg = node_config.NodeConfig.from_env({"DTRUN_RUN_URI": "file:///x", "DTRUN_JOB": "j",
                                   "DTRUN_NODE_TIMEOUT_SECONDS": "86400", "DTRUN_RESTART_GRACE_SECONDS": "900"})
     assert (cfg.node_timeout_seconds, cfg.restart_grace_seconds) == (86400.0, 900.0)
 
@@ -293,7 +294,7 @@ def test_sigkilled_bootstrap_takes_the_trainer_with_it(tmp_path):
     deadline = time.time() + 20
     while runuri.read_text(gpid) is None and time.time() < deadline:
         time.sleep(0.05)
-    kids = nb.descendants(p.pid)
+    kids = node_proctree.descendants(p.pid)
     assert kids
     os.killpg(p.pid, signal.SIGKILL)  # what the local provider does to a "preempted" node
     p.wait(timeout=10)
@@ -370,7 +371,7 @@ def test_real_torchrun_workers_die_when_the_node_is_sigkilled(tmp_path):
     deadline = time.time() + 60
     while runuri.read_json(prog) is None and time.time() < deadline:
         time.sleep(0.1)
-    tree = nb.descendants(p.pid)
+    tree = node_proctree.descendants(p.pid)
     assert len(tree) >= 3  # launcher + 2 workers
     os.killpg(p.pid, signal.SIGKILL)  # the bootstrap's group only: torchrun and workers are elsewhere
     p.wait(timeout=10)
@@ -422,7 +423,7 @@ def test_node_reports_its_rank_ip_state_and_output(tmp_path):
 def _multi(**extra):
     env = {"DTRUN_RUN_URI": "s3://b/r", "DTRUN_JOB": "j", "SKYPILOT_NODE_RANK": "1",
            "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n", "SKYPILOT_NUM_GPUS_PER_NODE": "8", **extra}
-    return nb.NodeConfig.from_env(env), env
+    return node_config.NodeConfig.from_env(env), env
 
 
 IFACES = {"lo": ["127.0.0.1"], "docker0": ["172.17.0.1"], "ens5": ["10.0.0.6", "10.0.9.9"]}
@@ -430,23 +431,23 @@ IFACES = {"lo": ["127.0.0.1"], "docker0": ["172.17.0.1"], "ens5": ["10.0.0.6", "
 
 def test_socket_ifname_is_the_interface_of_the_nodes_private_ip():
     cfg, env = _multi()
-    ip = nb.node_ip(env, cfg.node_rank, cfg.master_addr)
+    ip = node_network.node_ip(env, cfg.node_rank, cfg.master_addr)
     assert ip == "10.0.0.6"
-    assert nb.network_env(cfg, env, ip, interfaces=lambda: IFACES) == {"GLOO_SOCKET_IFNAME": "ens5",
+    assert node_network.network_env(cfg, env, ip, interfaces=lambda: IFACES) == {"GLOO_SOCKET_IFNAME": "ens5",
                                                                       "NCCL_SOCKET_IFNAME": "ens5"}
     # the environment's own choice wins; one node, or every node on this host, needs none
-    assert nb.network_env(cfg, {**env, "NCCL_SOCKET_IFNAME": "ib0"}, ip, interfaces=lambda: IFACES) == {
+    assert node_network.network_env(cfg, {**env, "NCCL_SOCKET_IFNAME": "ib0"}, ip, interfaces=lambda: IFACES) == {
         "GLOO_SOCKET_IFNAME": "ens5"}
-    one = nb.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j"})
-    assert nb.network_env(one, {}, None, interfaces=lambda: IFACES) == {}
+    one = node_config.NodeConfig.from_env({"DTRUN_RUN_URI": "u", "DTRUN_JOB": "j"})
+    assert node_network.network_env(one, {}, None, interfaces=lambda: IFACES) == {}
     # an IP on none of the interfaces (a public IP behind NAT): gloo/NCCL choose, as before
-    assert nb.network_env(cfg, env, "203.0.113.7", interfaces=lambda: IFACES) == {}
+    assert node_network.network_env(cfg, env, "203.0.113.7", interfaces=lambda: IFACES) == {}
     local, lenv = _multi(SKYPILOT_NODE_IPS="", DTRUN_NNODES="2", DTRUN_MASTER_ADDR="127.0.0.1")
-    assert nb.network_env(local, lenv, "127.0.0.1", interfaces=lambda: IFACES) == {}
+    assert node_network.network_env(local, lenv, "127.0.0.1", interfaces=lambda: IFACES) == {}
 
 
 def test_real_interfaces_name_loopback():
-    assert "127.0.0.1" in nb.ipv4_by_interface().get("lo", [])
+    assert "127.0.0.1" in node_network.ipv4_by_interface().get("lo", [])
 
 
 @pytest.mark.parametrize("extra, ip, resolved, msg", [
@@ -456,8 +457,8 @@ def test_real_interfaces_name_loopback():
 ])
 def test_unreachable_rendezvous_is_refused(extra, ip, resolved, msg):
     cfg, env = _multi(**extra)
-    with pytest.raises(nb.ConfigError, match=msg):
-        nb.network_env(cfg, env, ip, interfaces=lambda: IFACES, resolve=lambda h: resolved)
+    with pytest.raises(node_config.ConfigError, match=msg):
+        node_network.network_env(cfg, env, ip, interfaces=lambda: IFACES, resolve=lambda h: resolved)
 
 
 # ---- node setup on a GPU node (issue 25) ---------------------------------------------------------

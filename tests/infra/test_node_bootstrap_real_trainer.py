@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from infra import node_proctree
 from orchestrator.contract import runuri
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +70,7 @@ def test_budget_runs_out_without_a_controller(tmp_path):
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen: set[int] = set()
     while p.poll() is None and time.time() - t0 < 240:
-        seen.update(nb.descendants(p.pid))
+        seen.update(node_proctree.descendants(p.pid))
         time.sleep(0.2)
     _, err = p.communicate(timeout=60)
     assert p.returncode == nb.EXIT_WATCHDOG, err[-3000:]
