@@ -5,6 +5,7 @@ each provider's API: accepted, rejected and silent keys), packages, rsync, SkyPi
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -95,6 +96,28 @@ def api(monkeypatch):
     t.join(5)
 
 
+@pytest.fixture
+def rsync_on_path(tmp_path, monkeypatch):
+    """A stand-in ``rsync`` first on PATH: ``dtrun check`` only looks the binary up
+    (``shutil.which``), so the test does not depend on the host having it (``make test`` runs on
+    machines without rsync). Returns the stand-in's path."""
+    bin_dir = tmp_path / "tools-bin"
+    bin_dir.mkdir()
+    rsync = bin_dir / "rsync"
+    rsync.write_text("#!/bin/sh\necho 'rsync stand-in (tests/orchestrator/test_check.py)'\n")
+    rsync.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    return rsync
+
+
+@pytest.fixture
+def no_rsync_on_path(tmp_path, monkeypatch):
+    """A PATH with no ``rsync`` on it, whatever the host has."""
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+
+
 def _check(capsys, *args):
     rc = main(["check", *args, "--json"])
     out = json.loads(capsys.readouterr().out)
@@ -128,7 +151,7 @@ def test_an_empty_key_file_and_an_unparsable_modal_toml_are_not_credentials(home
     assert items["modal"]["ok"] is True and rc == 0 and out["ready_providers"] == ["modal"]
 
 
-def test_online_asks_each_api_and_never_prints_a_key(home, api, capsys):
+def test_online_asks_each_api_and_never_prints_a_key(home, api, capsys, rsync_on_path):
     keys(home, runpod=GOOD, lam=BAD, vast=SLOW)
     rc = main(["check", "--online", "--timeout", "1"])
     text = capsys.readouterr().out
@@ -138,7 +161,17 @@ def test_online_asks_each_api_and_never_prints_a_key(home, api, capsys):
     assert items["lambda online"]["ok"] is False and "rejected the key (HTTP 401)" in items["lambda online"]["detail"]
     assert items["vast online"]["ok"] is False and "within 1 s" in items["vast online"]["detail"]
     assert rc == 0 and out["ready_providers"] == ["runpod"]
+    assert items["rsync"]["ok"] is True and items["rsync"]["detail"] == str(rsync_on_path)
     assert all(k not in json.dumps(out) for k in (GOOD, BAD, SLOW))
+
+
+def test_without_rsync_no_skypilot_cloud_is_ready(home, api, capsys, no_rsync_on_path):
+    keys(home, runpod=GOOD)
+    rc, items, out = _check(capsys, "--online", "--timeout", "1")
+    assert items["runpod"]["ok"] is True and items["runpod online"]["ok"] is True
+    assert items["rsync"]["ok"] is False and "not found" in items["rsync"]["detail"]
+    assert "apt-get install rsync" in items["rsync"]["fix"]
+    assert rc == 5 and out["ready_providers"] == []
 
 
 def test_runpod_graphql_errors_with_status_200_are_a_rejected_key(home, capsys, monkeypatch):
