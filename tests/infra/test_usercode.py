@@ -13,8 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from infra import usercode
-from infra.usercode import Found, Progress, finished
+from infra import usercode, usercode_sync
+from infra.usercode_formats import Found, finished
+from infra.usercode_progress import Progress, Tee
 from orchestrator.contract import runuri
 from orchestrator.plan.spec import DEFAULT_LOSS_PATTERN, DEFAULT_STEP_PATTERN
 
@@ -94,7 +95,7 @@ def test_progress_default_patterns_read_the_common_formats():
     p.feed("step 3 loss 9")  # an older step from another rank's line does not move it back
     assert p.step == 16
     out = io.BytesIO()
-    tee = usercode.Tee(out, p)
+    tee = Tee(out, p)
     tee.write(b"step 17 loss 1\r step 18 lo")
     tee.write(b"ss 0.5\nbye")
     tee.close()
@@ -154,7 +155,7 @@ def test_restore_takes_the_newest_committed_and_never_a_partial_one(tmp_path, mo
 
 def test_commit_waits_for_every_node(tmp_path, monkeypatch):
     uri = f"file://{tmp_path}/run"
-    monkeypatch.setattr(usercode, "COMMIT_WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(usercode_sync, "COMMIT_WAIT_SECONDS", 0.5)
     n1 = _session(tmp_path, uri, rank=1, nnodes=2, monkeypatch=monkeypatch)
     n0 = _session(tmp_path, uri, rank=0, nnodes=2, monkeypatch=monkeypatch)
     _marker_ckpt(n0.ckpt_dir, 10)
