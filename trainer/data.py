@@ -11,8 +11,8 @@ data-parallel rank and restorable at another dp degree.
   or ``.npy``; anything else is refused naming the file) from a directory, glob or file through
   fsspec. Shards are concatenated in name order and sample ``i`` is the window
   ``[i·T, i·T + T + 1)`` of that stream (wrapping around). A directory or glob never yields a
-  validation shard (``shardlist.is_validation``: llm.c's ``fineweb_val_000000.bin``); validation
-  data is named explicitly (``trainer.val_data``) and read by :func:`build_val_source`.
+  validation shard (``orchestrator.contract.dataset.is_validation``: llm.c's
+  ``fineweb_val_000000.bin``); validation data is named explicitly (``trainer.val_data``) and read by :func:`build_val_source`.
 
 Input pipeline (what keeps a GPU fed from S3): a micro-batch of one rank is ``mb`` consecutive
 samples, i.e. one contiguous token range; ranges are served from aligned blocks of
@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from orchestrator.contract.dataset import list_shards
 from trainer import shards as shardfmt
-from trainer.shardlist import list_shards
 from trainer.errors import ConfigError
 
 READ_BLOCK_BYTES = int(os.environ.get("DTRUN_DATA_BLOCK_BYTES", 8 << 20))

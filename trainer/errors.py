@@ -1,11 +1,17 @@
 """Trainer errors: ``ConfigError`` means "do not retry" (one line, exit 2); ``CheckpointUnavailable`` is
-retryable (one line, exit 1)."""
+retryable (one line, exit 1).
+
+``ConfigError`` itself lives in the dataset contract (``orchestrator.contract.dataset``), below the
+trainer and the orchestrator, because the shard listing both sides share raises it; the trainer
+raises it for every configuration problem (invalid configuration, unusable run URI, a checkpoint of
+another shape) and names it from here.
+"""
 
 from __future__ import annotations
 
+from orchestrator.contract.dataset import ConfigError
 
-class ConfigError(Exception):
-    """Invalid configuration, unusable run URI or a checkpoint of another shape (exit 2)."""
+__all__ = ["CheckpointUnavailable", "ConfigError", "SavesFailing"]
 
 
 class CheckpointUnavailable(RuntimeError):

@@ -42,8 +42,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from orchestrator.contract.dataset import MANIFEST, MANIFEST_FORMAT
 from trainer import shards
-from trainer.manifest import MANIFEST, manifest_dir, read_manifest  # noqa: F401 - re-exported
 from trainer.tokenizer import Tokenizer, TokenizerError, load, manifest_json
 
 UNIT_BYTES_ENV = "DTRUN_PREPARE_UNIT_BYTES"
@@ -56,7 +56,6 @@ TEXT_EXT = (".txt", ".md", ".text", ".rst")
 JSONL_EXT = (".jsonl", ".json", ".ndjson")
 PARQUET_EXT = (".parquet",)
 STATE = "_prepare_state.json"
-FORMAT = "dtrun-shards/1"
 VAL_TOKENS_CAP = 1_000_000
 VAL_FRACTION = 10
 """The default validation split: 1/VAL_FRACTION of the corpus, at most VAL_TOKENS_CAP tokens.
@@ -545,7 +544,7 @@ def _run(units, desc, total_bytes, tok, o: _Out, state, cfg, val_tokens, shard_t
         o.put("tokenizer.json", tok.json_bytes)
     split = {s: [x for x in state["shards"] if x["split"] == s] for s in ("train", "val")}
     manifest = {
-        "format": FORMAT, "config": cfg, "tokenizer": tok.describe(), "vocab_size": tok.vocab_size,
+        "format": MANIFEST_FORMAT, "config": cfg, "tokenizer": tok.describe(), "vocab_size": tok.vocab_size,
         "dtype": str(dtype.name), "shard_tokens": shard_tokens, "val_tokens": val_tokens,
         "documents": state["docs"], "sources": desc,
         "train": {"tokens": sum(x["tokens"] for x in split["train"]),

@@ -109,7 +109,7 @@ def _stop_poller(uri: str, flags: _Flags, done: threading.Event) -> None:
 def check_data_vocab(data: str, vocab_size: int) -> None:
     """A job whose model vocabulary is smaller than its data's tokenizer (the ``data prepare``
     manifest beside ``trainer.data``) is refused: its token ids would index past the embedding."""
-    from trainer.manifest import read_manifest
+    from orchestrator.contract.dataset import read_manifest
 
     m = read_manifest(data)
     if m and int(m.get("vocab_size") or 0) > vocab_size:

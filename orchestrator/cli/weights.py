@@ -42,7 +42,7 @@ def resolve_job(job: str) -> tuple[Any, str]:
 
 
 def data_manifest(spec) -> tuple[dict | None, str | None]:
-    from trainer.manifest import manifest_dir, read_manifest
+    from orchestrator.contract.dataset import manifest_dir, read_manifest
 
     data = spec.trainer.data
     if data == "synthetic":

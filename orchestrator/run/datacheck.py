@@ -9,14 +9,13 @@ node was paid for). Refused here with exit 2 (``SpecError``). The trainer repeat
 
 from __future__ import annotations
 
+from orchestrator.contract.dataset import read_manifest
 from orchestrator.contract.errors import SpecError
 
 
 def check_data_vocab(spec, source: str = "job", remote: bool = True) -> None:
     """``remote=False`` (the dry run, which must stay fast and import no storage SDK) checks only
     a manifest on this machine's disk; ``dtrun up`` reads it wherever it is."""
-    from trainer.manifest import read_manifest
-
     t = spec.trainer
     if t is None:  # a command job: its data is its own business
         return

@@ -4,12 +4,14 @@ checkpoint saved to the real run URI restores — resharded — before anything 
 Two stages, cheapest first:
 
 1. :func:`storage_probe` (in this process, no torch, ~0.1 s): write, read back and delete one
-   small object under the run URI. A missing bucket, refused credentials or an unreachable
+   small object under the run URI (``orchestrator.contract.storeprobe``, the probe and the words
+   the trainer's preflight uses too). A missing bucket, refused credentials or an unreachable
    endpoint fails here with one sentence naming the problem;
 2. :func:`run_preflight`: the real thing — ``torchrun -m trainer.preflight`` on this machine's
-   CPU (gloo, 2 ranks by default): a small FSDP2-sharded model and AdamW state saved with the
-   trainer's DCP/fsspec writer, restored into the same layout and resharded into whole tensors,
-   compared bit for bit (see ``trainer/preflight.py``).
+   CPU (gloo, 2 ranks by default), a separate process (this side never imports the trainer): a
+   small FSDP2-sharded model and AdamW state saved with the trainer's DCP/fsspec writer, restored
+   into the same layout and resharded into whole tensors, compared bit for bit (see
+   ``trainer/preflight.py``).
 
 Failure → :class:`PreflightError` (one line; exit 6 for bucket/endpoint/storage, 5 for
 credentials, 1 for a broken restore). The controller calls :func:`maybe_preflight` before the
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.contract.errors import EXIT_JOB_FAILED, EXIT_NOT_FOUND, EXIT_PROVIDER, DtrunError
+from orchestrator.contract.storeprobe import probe
 from orchestrator.plan.spec import JobSpec
 
 DEFAULT_NPROC = 2
@@ -68,8 +71,6 @@ def preflight_enabled(spec: JobSpec) -> bool:
 
 def storage_probe(run_uri: str) -> None:
     """Write/read/delete one object under the run URI; :class:`PreflightError` when that fails."""
-    from trainer.preflight import probe  # stdlib + fsspec only at import time (torch is lazy there)
-
     got = probe(run_uri)
     if got is not None:
         raise PreflightError(*got)

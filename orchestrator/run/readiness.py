@@ -255,7 +255,7 @@ def job_items(spec: Any, source: str) -> tuple[list[Item], int]:
         except SpecError as e:
             items.append(Item("data", "vocabulary", False, str(e)))
             return items, EXIT_INVALID
-        from trainer.prepare import read_manifest
+        from orchestrator.contract.dataset import read_manifest
 
         m = read_manifest(t.data) if t.data != "synthetic" else None
         if m and m.get("vocab_size"):

@@ -25,8 +25,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.contract.dataset import MANIFEST, ConfigError, list_shards, read_manifest
 from orchestrator.contract.errors import EXIT_NOT_FOUND, DtrunError
 from orchestrator.contract.runuri import BACKENDS, READ_ONLY, malformed, scheme
+from orchestrator.contract.storeprobe import classify  # the restore preflight's words for the same errors
 
 class UriRefused(DtrunError):
     """A URI of the job cannot work: exit 6 (run URI or data not reachable), nothing rented."""
@@ -91,11 +93,9 @@ def _unwritable(path: str) -> str | None:
 
 
 def _local_shards(uri: str, field: str) -> str | None:
-    """Why local data at ``uri`` has no usable shards (the trainer's own listing rule), or None."""
+    """Why local data at ``uri`` has no usable shards (the listing rule the trainer's loader uses too:
+    ``orchestrator.contract.dataset``), or None."""
     import fsspec
-
-    from trainer.errors import ConfigError
-    from trainer.shardlist import list_shards
 
     path = _local_path(uri)
     if not any(ch in path for ch in "*?[") and not os.path.exists(path):
@@ -106,7 +106,7 @@ def _local_shards(uri: str, field: str) -> str | None:
     except ConfigError as e:
         return str(e).removeprefix(f"{field}: ")
     if not files:
-        manifest = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "manifest.json")
+        manifest = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), MANIFEST)
         return (f"no .bin or .npy token shards at {path}"
                 + (" (a manifest.json is there: is `dtrun data prepare` still running?)"
                    if os.path.exists(manifest) else ""))
@@ -175,9 +175,6 @@ def s3_credentials_problem(spec: Any) -> Problem | None:
 
 def remote_data_problem(field: str, uri: str) -> str | None:
     from orchestrator.contract import runuri
-    from trainer.errors import ConfigError
-    from trainer.prepare import read_manifest
-    from trainer.shardlist import list_shards
 
     try:
         fs, path = runuri._fs(uri)
@@ -240,8 +237,6 @@ def _probe(uri: str, key: str) -> str | None:
         step = "delete"
         runuri.remove(runuri.join(uri, ".dtrun-check"), recursive=True)
     except Exception as e:  # noqa: BLE001 - every storage error is reported, in one line
-        from trainer.preflight import classify  # the restore preflight's words for the same errors
-
         return f"cannot {step} under {uri}: {classify(e, uri)[1]}"
     return None
 

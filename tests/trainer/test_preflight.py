@@ -8,9 +8,9 @@ import time
 import pytest
 
 from orchestrator.contract.errors import EXIT_NOT_FOUND, EXIT_PROVIDER
-from orchestrator.run.preflight import PreflightError, maybe_preflight, preflight_enabled, run_preflight, storage_probe
+from orchestrator.contract.storeprobe import classify
 from orchestrator.plan.spec import parse_spec
-from trainer.preflight import classify
+from orchestrator.run.preflight import PreflightError, maybe_preflight, preflight_enabled, run_preflight, storage_probe
 
 
 def spec(uri: str, spot=False, preflight=None):
