@@ -41,6 +41,10 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script before dtrun is installed: the contract is stdlib-only
+    sys.path.insert(0, str(ROOT))
+
+from orchestrator.contract import nodeenv  # noqa: E402
 _REQ_RE = re.compile(r"^\s*([A-Za-z0-9_.\-]+)(\[[^\]]*\])?\s*(.*)$")
 
 
@@ -167,7 +171,7 @@ def satisfied(req: str, python: str) -> bool:
 
 def pip(python: str, args: list[str]) -> None:
     cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    cache = os.environ.get("DTRUN_PIP_CACHE_DIR")
+    cache = os.environ.get(nodeenv.PIP_CACHE_DIR)
     if cache:
         cmd += ["--cache-dir", cache]
     subprocess.run(cmd + args, check=True)
@@ -175,7 +179,7 @@ def pip(python: str, args: list[str]) -> None:
 
 def plan(root: Path = ROOT, python: str | None = None) -> dict:
     """What this node has and what it needs: no side effects."""
-    python = python or os.environ.get("DTRUN_SETUP_PYTHON") or sys.executable
+    python = python or os.environ.get(nodeenv.SETUP_PYTHON) or sys.executable
     deps = dependencies(root / "pyproject.toml")
     pin = torch_pin(deps)
     found = installed_torch(python)
@@ -195,7 +199,7 @@ def plan(root: Path = ROOT, python: str | None = None) -> dict:
 def main() -> int:
     t0 = time.monotonic()
     p = plan()
-    dry = os.environ.get("DTRUN_SETUP_DRY_RUN") == "1"
+    dry = os.environ.get(nodeenv.SETUP_DRY_RUN) == "1"
     try:
         if not dry:
             if p["install"]:

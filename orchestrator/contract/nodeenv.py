@@ -59,6 +59,8 @@ NODE_REPORT_SECONDS = "DTRUN_NODE_REPORT_SECONDS"   # infra/node_report.py
 NODE_DIR = "DTRUN_NODE_DIR"                         # infra/usercode: where a command's folders go
 SYNC_SECONDS = "DTRUN_SYNC_SECONDS"                 # infra/usercode: checkpoint scans
 HEARTBEAT_SECONDS = "DTRUN_HEARTBEAT_SECONDS"       # infra/usercode: progress.json rewrites
+SETUP_PYTHON = "DTRUN_SETUP_PYTHON"                 # infra/node_setup (tests): the interpreter to set up
+SETUP_DRY_RUN = "DTRUN_SETUP_DRY_RUN"               # infra/node_setup (tests): "1" decides, installs nothing
 
 # What the node gives a ``command:`` job's own command (infra/usercode), besides RUN_URI, ATTEMPT.
 CHECKPOINT_DIR = "DTRUN_CHECKPOINT_DIR"
