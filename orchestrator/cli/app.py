@@ -39,6 +39,7 @@ from orchestrator.cli import (  # noqa: E402
     init,
     jobs,
     money,
+    prices,
     profile,
     report,
     sample,
@@ -47,7 +48,7 @@ from orchestrator.cli import (  # noqa: E402
     weights,
 )
 
-for _noun in (init, check, up, jobs, export, money, simulate, profile, data, weights, sample, report):
+for _noun in (init, check, up, prices, jobs, export, money, simulate, profile, data, weights, sample, report):
     app.add_typer(_noun.app)
 
 

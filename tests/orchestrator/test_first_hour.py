@@ -221,7 +221,7 @@ def test_a_job_recorded_with_another_run_uri_is_refused_naming_both(tmp_path, ca
     from orchestrator.run.state import StateStore
 
     rented = []
-    monkeypatch.setattr(up, "_foreground", lambda spec, plan, store, path, js: rented.append(spec.run_uri) or 0)
+    monkeypatch.setattr(up, "run_foreground", lambda spec, plan, store, path, js: rented.append(spec.run_uri) or 0)
     f = _job(tmp_path / "project", uri="./runs/{name}")
     old = f"file://{tmp_path / 'elsewhere' / 'runs' / 'first'}"
     store = StateStore()

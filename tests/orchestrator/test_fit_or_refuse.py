@@ -111,7 +111,7 @@ def test_up_refuses_and_rents_nothing_then_force_rents_with_a_warning(capsys, tm
     monkeypatch.setattr("orchestrator.run.uricheck.check_online", lambda spec, source: None)
     monkeypatch.setattr("orchestrator.contract.runuri.exists", lambda uri: False)
     monkeypatch.setattr("orchestrator.contract.runuri.latest_committed", lambda uri: None)
-    monkeypatch.setattr(jobs, "_foreground", lambda spec, plan, store, path, js: rented.append(spec) or 0)
+    monkeypatch.setattr(jobs, "run_foreground", lambda spec, plan, store, path, js: rented.append(spec) or 0)
     f = llama_job(tmp_path, activation_checkpointing="none")
     assert main(["up", str(f), "--yes"]) == 4
     err = capsys.readouterr().err

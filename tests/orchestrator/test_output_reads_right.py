@@ -16,7 +16,8 @@ from rich.console import Console
 
 from orchestrator.cli.app import main
 from orchestrator.cli.jobs import _print_status
-from orchestrator.cli.up import plan_report, print_plan, run_spec
+from orchestrator.cli.planview import plan_report, print_plan
+from orchestrator.run.prepare import run_spec
 from orchestrator.plan.estimate import make_plan
 from orchestrator.plan.spec import load_spec
 

@@ -1,0 +1,127 @@
+"""``dtrun prices``: the price table (provider, region, GPU, spot, $/GPU-hour and where each price
+came from) and the providers' capabilities; and :func:`refresh_prices`, SkyPilot's live fetchers,
+which ``dtrun up`` and its dry run also call for stale catalogs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any, Optional
+
+import typer
+
+from orchestrator.cli.options import JsonOpt
+
+RENTABLE = ("runpod", "lambda", "vast", "modal")
+
+
+def refresh_prices(clouds: list[str] | None, stale_only: bool) -> list[dict[str, Any]]:
+    """Run SkyPilot's fetchers (``providers.skypilot.prices``); one line per cloud on stderr."""
+    from providers.skypilot import prices as live
+
+    if stale_only:
+        results = live.refresh_stale([c for c in (clouds or live.CLOUDS) if c in live.CLOUDS])
+    else:
+        results = live.refresh(clouds)
+        if not results:
+            why = "; ".join(f"{c}: {p}" for c, p in live.usable_clouds().items() if p)
+            sys.stderr.write(f"prices: no cloud with usable credentials to refresh ({why}); "
+                             "prices stay the cached catalogs or the bundled snapshot\n")
+    for r in results:
+        sys.stderr.write(f"prices: {r.message}\n")
+    return [r.to_dict() for r in results]
+
+
+def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None, refresh: bool = False) -> None:
+    import time
+
+    from orchestrator.contract.errors import UsageError
+    from orchestrator.contract.gpus import canonical_gpu
+    from providers import registry
+    from providers.catalog import UNKNOWN_SPOT, all_rows
+
+    if gpu is not None:
+        g = canonical_gpu(gpu)
+        if g is None:
+            from orchestrator.contract.gpus import GPUS
+
+            raise UsageError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+        gpu = g
+    refreshed = refresh_prices(None, stale_only=False) if refresh else []
+    caps = {}
+    for name in RENTABLE:
+        c = registry.get(name).capabilities()
+        caps[name] = {
+            "spot": {"supported": c.spot.supported, "reason": c.spot.reason},
+            "multi_node": {"supported": c.multi_node.supported, "reason": c.multi_node.reason},
+            "max_gpus_per_node": c.max_gpus_per_node,
+        }
+    rows = []
+    for r in all_rows(gpu):
+        kinds = []
+        if spot is not True:
+            kinds.append((False, r.price, r.source))
+        if spot is not False and r.spot_sold and caps[r.provider]["spot"]["supported"]:
+            if r.spot_price is not None:
+                kinds.append((True, r.spot_price, r.source + (f"; {r.spot_note}" if r.spot_note else "")))
+            else:
+                kinds.append((True, r.price, f"{r.source}; {UNKNOWN_SPOT}"
+                              + (f" ({r.spot_note})" if r.spot_note else "")))
+        for is_spot, price, source in kinds:
+            known = not is_spot or r.spot_price is not None
+            rows.append({
+                "provider": r.provider, "region": r.region, "gpu": r.gpu,
+                "gpus_per_node": r.gpus_per_node, "spot": is_spot,
+                "price_per_gpu_hour": round(price, 4), "price_source": source, "price_date": r.date,
+                "price_known": known,
+                "spot_bid": round(price, 4) if is_spot and known and r.fetched_at is not None else None,
+                "price_fetched_at": r.fetched_at,
+                "price_age_seconds": round(time.time() - r.fetched_at, 1) if r.fetched_at else None,
+                "note": r.note,
+            })
+    if json_out:
+        sys.stdout.write(json.dumps({"prices": rows, "capabilities": caps, "refresh": refreshed}) + "\n")
+        return
+    from rich.table import Table
+
+    from orchestrator.cli.planview import rich_console
+
+    con = rich_console()
+    t = Table(title=f"Prices{' for ' + gpu if gpu else ''} (USD per GPU-hour)", title_justify="left")
+    for col in ("gpu", "provider", "region", "gpus/node", "spot", "$/GPU-h", "source"):
+        t.add_column(col)
+    for row in rows:
+        t.add_row(row["gpu"], row["provider"], row["region"], str(row["gpus_per_node"]),
+                  "spot" if row["spot"] else "on-demand", f"{row['price_per_gpu_hour']:.2f}",
+                  row["price_source"] + (f" ({row['note']})" if row["note"] else ""))
+    con.print(t)
+    if gpu is not None and not rows:  # an empty table says nothing by itself
+        from rich.markup import escape
+
+        priced = sorted({r.gpu for r in all_rows(None)})
+        con.print(escape(f"no provider lists a price for {gpu}" + (" (local CPU runs are free: providers: [local])"
+                  if gpu == "cpu" else "") + f"; GPUs with prices: {', '.join(priced)}"))
+    for name, c in caps.items():
+        parts = []
+        for k in ("spot", "multi_node"):
+            parts.append(f"{k.replace('_', '-')}: {'yes' if c[k]['supported'] else 'no'}"
+                         + (f" ({c[k]['reason']})" if c[k]["reason"] else ""))
+        con.print(f"[bold]{name}[/]: " + "; ".join(parts) + f"; ≤{c['max_gpus_per_node']} GPUs/node")
+
+
+# ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------
+
+app = typer.Typer()
+
+
+@app.command()
+def prices(
+    gpu: Annotated[Optional[str], typer.Argument(help="Only this GPU type (e.g. H100).")] = None,
+    json_out: JsonOpt = False,
+    spot: Annotated[Optional[bool], typer.Option("--spot/--on-demand", help="Only spot or only on-demand.")] = None,
+    refresh: Annotated[bool, typer.Option(
+        "--refresh", help="Fetch live prices (SkyPilot's fetchers) for the clouds with usable credentials first.")] = False,
+) -> None:
+    """Print the price table: provider, region, GPU, spot, $/GPU-hour and where each price came from."""
+    cmd_prices(gpu, json_out, spot, refresh)
+
