@@ -480,3 +480,19 @@ def test_node_setup_checks_the_builds_cuda_against_the_driver():
     assert "needs NVIDIA driver ≥ 580.65.06" in ns.driver_problem("13.0", "570.124.06")
     assert "CPU-only build" in ns.driver_problem(None, "550.54.15")
     assert ns.driver_problem("13.0", None) is None  # no GPU: nothing to check
+
+
+def test_the_node_side_never_imports_torch():
+    """The bootstrap and every module it runs (the watchdog, the process tree, a command job's
+    sync) load without torch, so the watchdog stays light whatever the trainer does. Transitive:
+    what each module imports, and what those import."""
+    mods = ["infra.node_bootstrap", "infra.node_config", "infra.node_log", "infra.node_network",
+            "infra.node_proctree", "infra.node_watchdog", "infra.node_report", "infra.usercode",
+            "infra.usercode_formats", "infra.usercode_sync", "infra.usercode_progress"]
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}: importlib.import_module(m)\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'pydantic'))\n"
+            "print(bad)\nsys.exit(1 if bad else 0)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout + r.stderr
