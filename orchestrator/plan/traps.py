@@ -80,7 +80,7 @@ def _fp16(c: _Ctx) -> Trap | None:
 
 
 def _spot_interval(c: _Ctx) -> list[Trap]:
-    from orchestrator.plan.estimate import preemption_rate, step_seconds
+    from orchestrator.plan.hours import preemption_rate, step_seconds
 
     s = c.spec
     out: list[Trap] = []

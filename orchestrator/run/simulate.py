@@ -1,28 +1,14 @@
 """``dtrun simulate``: the real controller against the fake cloud on a virtual clock, N times.
 
-Each run builds a fresh world — an in-memory state store, a fake cloud offering only the plan's
-chosen offer (same price, spot or not, preempting spot nodes at the given rate with a seeded
-exponential clock), a run URI in RAM (``/dev/shm`` or ``memory://``) — and drives ``orchestrator.run.controller.Controller``
-to a final state. Nothing is rented; no trainer runs. What the node would do is modelled here
-(:class:`SimNode`), from the same assumptions as the dry run's estimate:
-
-* start-up: the fake instance provisions for provisioning + setup minutes of the chosen
-  provider (``estimate.startup``: the price snapshot's ``startup:`` figures, with or without a
-  prebuilt image) — billed — then, on a resume, loads the newest COMMITTED checkpoint
-  (checkpoint bytes ÷ ``estimate.CHECKPOINT_BANDWIDTH``), and warms up (first step, plus compile
-  when ``trainer.compile``);
-* training: one step every ``estimate.step_seconds`` (6 × active params × tokens per step ÷
-  (GPUs × peak FLOP/s × MFU)); a checkpoint every ``every`` steps stalls the loop for
-  ``estimate.checkpoint_save_seconds`` and then counts as COMMITTED;
-* a preemption is hard (no notice, no emergency checkpoint): the work since the last COMMITTED
-  step is lost; the node honours STOP (checkpoint, exit 0) and exits 0 with DONE at the end;
-* a node whose job exited keeps billing for one *real* controller poll (``recovery.poll_seconds``
-  of the job as written): the time a controller ticking at that rate takes to see the exit and
-  terminate it — not the simulation's coarser tick, which would over-bill every attempt.
-
-The simulated node writes ``progress.json``, ``checkpoints/step-N/COMMITTED`` and ``DONE`` into
-the run URI (a temp directory per run) as virtual time passes (a hook on the virtual clock), so the controller sees exactly
-what it would see from a real node.
+Each run builds a fresh world — an in-memory state store, a fake cloud offering the plan's
+offers (same price, spot or not, preempting spot nodes at the given rate with a seeded
+exponential clock), a run URI in RAM (``/dev/shm`` or ``memory://``) — and drives
+``orchestrator.run.controller.Controller`` to a final state. Nothing is rented; no trainer runs.
+What the node would do is modelled in ``run/simnode.py`` (:class:`Simulation`), from the same
+assumptions as the dry run's estimate. A node whose job exited keeps billing for one *real*
+controller poll (``recovery.poll_seconds`` of the job as written): the time a controller ticking
+at that rate takes to see the exit and terminate it — not the simulation's coarser tick, which
+would over-bill every attempt.
 
 Tick size: the controller ticks every ``recovery.poll_seconds`` of *virtual* time; to keep 200
 runs to seconds the simulation raises it to ``max(poll_seconds, 60 s, expected hours × 3600 / 150)``
@@ -36,7 +22,6 @@ total steps × step time), and orphan instance-seconds (anything billing after t
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -47,10 +32,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.plan import estimate as est_mod
 from orchestrator.contract import runuri
-from orchestrator.contract.errors import EXIT_OK, UsageError
+from orchestrator.contract.errors import UsageError
+from orchestrator.plan import hours
+from orchestrator.plan.estimate import make_plan
 from orchestrator.plan.spec import JobSpec
+from orchestrator.run.simnode import Model, Simulation
 
 SIM_MIN_POLL_SECONDS = 60.0
 SIM_TARGET_TICKS = 150.0
@@ -58,167 +45,6 @@ SIM_MAX_OFFERS = 4
 # Each run's run URI is a fresh temp directory in RAM (/dev/shm) where there is one, else
 # fsspec's memory:// (a disk-backed temp directory measured 2.4x slower).
 _TMP_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-
-
-@dataclass(frozen=True)
-class Model:
-    """What one node does, in seconds and steps."""
-
-    total_steps: int
-    step_s: float
-    every: int
-    save_s: float
-    load_s: float
-    compile_s: float
-    """First step + compile: after the node is up, before it trains."""
-    provision_s: float
-    """Provisioning + setup: the fake instance's ``provision_seconds`` (billed)."""
-    emergency_s: float = 0.0
-    """A synchronous (emergency) checkpoint on a preemption notice: checkpoint bytes ÷ bandwidth."""
-
-
-@dataclass
-class SimNode:
-    iid: str
-    attempt: int
-    ready_at: float
-    start_step: int = 0
-    train_start: float = 0.0
-    stop_seen: float | None = None
-    finished: bool = False
-    end_step: int = 0
-    end_committed: int = 0
-
-    def progress(self, m: Model, t: float) -> tuple[int, int, float | None]:
-        """(step, committed step, time DONE was written or None) at time ``t``."""
-        s, committed, tt = self.start_step, self.start_step, self.train_start
-        if t < tt:
-            return s, committed, None
-        while s < m.total_steps:
-            nxt = min(m.total_steps, (s // m.every + 1) * m.every)
-            dur = (nxt - s) * m.step_s
-            if tt + dur > t:
-                return s + int((t - tt) / m.step_s), committed, None
-            tt += dur
-            s = nxt
-            if tt + m.save_s > t:
-                return s, committed, None
-            tt += m.save_s
-            committed = s
-        return s, committed, tt
-
-
-class Simulation:
-    """One simulated run's node model, hooked to the virtual clock."""
-
-    def __init__(self, model: Model, cloud: Any, run_uri: str,
-                 notice: dict[str, tuple[float, float]] | None = None, seed: int = 0) -> None:
-        self.m = model
-        self.cloud = cloud
-        self.uri = run_uri
-        self.notice = dict(notice or {})
-        """Per fake-cloud region (one per offer): (notice seconds, share of soft preemptions)."""
-        self.seed = seed
-        self.soft = 0
-        self.soft_saved = 0
-        self.nodes: dict[str, SimNode] = {}
-        self.committed = 0
-        self.prev: float | None = None
-        self.preemptions = 0
-        self.lost_steps = 0
-        self.done_at: float | None = None
-        self._written_commits: set[int] = set()
-
-    def _commit(self, step: int) -> None:
-        if step > self.committed:
-            self.committed = step
-        if step > 0 and step not in self._written_commits:
-            self._written_commits.add(step)
-            runuri.write_json(runuri.join(runuri.checkpoint_uri(self.uri, step), runuri.COMMITTED),
-                              {"step": step, "world_size": 1, "time": 0})
-
-    def hook(self, now: float) -> None:
-        prev = self.prev if self.prev is not None else now
-        self.prev = now
-        stop = None
-        for inst in self.cloud.instances():
-            node = self.nodes.get(inst.id)
-            if node is None:
-                node = SimNode(inst.id, int(inst.env.get("DTRUN_ATTEMPT", "0") or 0), inst.ready_at)
-                node.start_step = -1
-                self.nodes[inst.id] = node
-            if node.finished:
-                continue
-            end_t = inst.ended_at if inst.phase in ("preempted", "terminated", "exited") else None
-            t = min(now, end_t) if end_t is not None else now
-            if t < inst.ready_at:
-                if end_t is not None:
-                    node.finished = True  # gone before it ever ran
-                continue
-            if node.start_step < 0:
-                node.start_step = self.committed
-                resume = self.m.load_s if self.committed > 0 else 0.0
-                node.train_start = inst.ready_at + resume + self.m.compile_s
-            if stop is None:
-                stop = runuri.exists(runuri.join(self.uri, runuri.STOP))
-            if stop and node.stop_seen is None and end_t is None:
-                node.stop_seen = max(prev, inst.ready_at)
-            step, committed, done_t = node.progress(self.m, t)
-            exit_at = None
-            if node.stop_seen is not None:
-                s_stop, _, d_stop = node.progress(self.m, node.stop_seen)
-                if d_stop is None:
-                    exit_at = max(node.stop_seen, node.train_start) + self.m.save_s
-                    if exit_at <= t:
-                        step = committed = s_stop
-                        self._commit(s_stop)
-                        self._end(node, inst, exit_at, step, step, now, end_t, code=0)
-                        continue
-            if done_t is not None and (end_t is None or done_t <= end_t):
-                self._commit(committed)
-                self.done_at = done_t
-                runuri.write_json(runuri.join(self.uri, runuri.DONE), {"step": step, "time": done_t})
-                self._progress(node, step, committed, done_t)
-                self._end(node, inst, done_t, step, committed, now, end_t, code=0)
-                continue
-            if end_t is not None and inst.phase == "preempted":
-                step, committed = self._notice(node, inst, end_t, step, committed)
-            if committed > 0:
-                self._commit(committed)
-            self._progress(node, step, committed, t)
-            if end_t is not None:
-                node.finished = True
-                node.end_step, node.end_committed = step, committed
-                if inst.phase == "preempted":
-                    self.preemptions += 1
-                self.lost_steps += max(0, step - committed)
-
-    def _notice(self, node: SimNode, inst: Any, end_t: float, step: int, committed: int) -> tuple[int, int]:
-        """A soft preemption (the provider's notice, for a seeded share of preemptions): the
-        trainer stops stepping at the notice and writes an emergency checkpoint; it is COMMITTED
-        when the save fits in the notice, and then nothing since the last checkpoint is lost."""
-        grace, frac = self.notice.get(inst.region, (0.0, 0.0))
-        if grace <= 0 or frac <= 0 or random.Random(f"{self.seed}:{inst.id}").random() >= frac:
-            return step, committed
-        self.soft += 1
-        at = end_t - grace
-        if at < node.train_start or grace < self.m.emergency_s:
-            return step, committed  # still starting, or the save does not fit: lost as if hard
-        s_n, _, _ = node.progress(self.m, at)
-        self.soft_saved += 1
-        return s_n, max(committed, s_n)
-
-    def _progress(self, node: SimNode, step: int, committed: int, t: float) -> None:
-        runuri.write_json(runuri.join(self.uri, runuri.PROGRESS),
-                          {"step": step, "steps": self.m.total_steps, "last_committed_step": committed,
-                           "time": t, "attempt": node.attempt, "loss": None, "tokens_per_s": None})
-
-    def _end(self, node: SimNode, inst: Any, at: float, step: int, committed: int, now: float,
-             end_t: float | None, code: int) -> None:
-        node.finished = True
-        node.end_step, node.end_committed = step, committed
-        if end_t is None:
-            self.cloud.set_exit(inst.id, at=at, code=code)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -291,42 +117,42 @@ def prepare(spec: JobSpec, preemptions_per_hour: float | None = None, every_over
     them exactly as it would between real providers."""
     rate_for_plan = preemptions_per_hour
     if plan is None:
-        plan = est_mod.make_plan(spec, preemptions_per_hour=rate_for_plan)
+        plan = make_plan(spec, preemptions_per_hour=rate_for_plan)
     if plan.chosen is None or plan.estimate is None:
         why = "; ".join(plan.refusals) or "no offer fits"
         raise UsageError(f"{spec.name}: nothing to simulate: {why}")
     offer = plan.chosen
     # Per attempt: any one of the N nodes lost ends the attempt (the fake cloud's instance stands
     # for the whole cluster, so it is preempted at N × the per-node rate).
-    rate = est_mod.attempt_preemption_rate(spec, offer.nodes, preemptions_per_hour) if offer.spot else 0.0
+    rate = hours.attempt_preemption_rate(spec, offer.nodes, preemptions_per_hour) if offer.spot else 0.0
     gpus = offer.gpus_per_node * offer.nodes
     if spec.command is not None:
         # A command job: the given hours (or 6·N·D) in steps of command.steps, else of a minute;
         # its own saves are inside those hours.
-        compute_s = est_mod.command_compute_hours(spec, offer.gpu, gpus) * 3600.0
+        compute_s = hours.command_compute_hours(spec, offer.gpu, gpus) * 3600.0
         total_steps = spec.command.steps or max(1, math.ceil(compute_s / 60.0))
         step_s = compute_s / total_steps
         every = every_override or max(1, round(spec.command.checkpoint_every_minutes * 60.0 / step_s))
         save_s = 0.0
     else:
         total_steps = spec.trainer.total_steps
-        step_s = est_mod.step_seconds(spec, offer.gpu, gpus)
-        every = every_override or plan.checkpoint_every_steps or est_mod.checkpoint_interval_steps(spec, rate, step_s)
-        save_s = est_mod.checkpoint_save_seconds(spec)
-    su = est_mod.startup(spec, offer)  # the snapshot's figures for the chosen provider
+        step_s = hours.step_seconds(spec, offer.gpu, gpus)
+        every = every_override or plan.checkpoint_every_steps or hours.checkpoint_interval_steps(spec, rate, step_s)
+        save_s = hours.checkpoint_save_seconds(spec)
+    su = hours.startup(spec, offer)  # the snapshot's figures for the chosen provider
     compile_s = (su["compile_minutes"] + su["first_step_minutes"]) * 60.0
     model = Model(
         total_steps=total_steps, step_s=step_s, every=max(1, int(every)),
         save_s=save_s,
-        load_s=est_mod.checkpoint_bytes(spec) / (est_mod.CHECKPOINT_BANDWIDTH * offer.nodes),
+        load_s=hours.checkpoint_bytes(spec) / (hours.CHECKPOINT_BANDWIDTH * offer.nodes),
         compile_s=compile_s, provision_s=(su["provisioning_minutes"] + su["setup_minutes"]) * 60.0,
     )
     yd = None
     if rate > 0:
         cost = max(model.save_s, step_s)
-        yd = max(1, min(model.total_steps, round(est_mod.young_daly_interval_s(cost, 3600.0 / rate) / step_s)))
-    hours = plan.estimate.hours if math.isfinite(plan.estimate.hours) else 24.0
-    poll = max(spec.recovery.poll_seconds, SIM_MIN_POLL_SECONDS, hours * 3600.0 / SIM_TARGET_TICKS)
+        yd = max(1, min(model.total_steps, round(hours.young_daly_interval_s(cost, 3600.0 / rate) / step_s)))
+    est_hours = plan.estimate.hours if math.isfinite(plan.estimate.hours) else 24.0
+    poll = max(spec.recovery.poll_seconds, SIM_MIN_POLL_SECONDS, est_hours * 3600.0 / SIM_TARGET_TICKS)
     r = spec.resources.model_copy(update={"providers": ["fake"], "spot": bool(offer.spot), "regions": [],
                                           "max_price_per_gpu_hour": None})
     rec = spec.recovery.model_copy(update={
@@ -340,7 +166,7 @@ def prepare(spec: JobSpec, preemptions_per_hour: float | None = None, every_over
     from providers.catalog import preemption_notice
 
     for o in offers:
-        so = est_mod.startup(spec, o)
+        so = hours.startup(spec, o)
         pn = preemption_notice(o.provider)
         regions[_region(o)] = {
             "provision_s": (so["provisioning_minutes"] + so["setup_minutes"]) * 60.0,
@@ -349,12 +175,12 @@ def prepare(spec: JobSpec, preemptions_per_hour: float | None = None, every_over
         }
     if len({bool(o.spot) for o in offers}) > 1:
         sim_spec = sim_spec.model_copy(update={"resources": sim_spec.resources.model_copy(update={"spot": "prefer"})})
-    model = Model(**{**model.__dict__, "emergency_s": est_mod.checkpoint_bytes(spec) / (
-        est_mod.CHECKPOINT_BANDWIDTH * offer.nodes)})
+    model = Model(**{**model.__dict__, "emergency_s": hours.checkpoint_bytes(spec) / (
+        hours.CHECKPOINT_BANDWIDTH * offer.nodes)})
     return Setup(spec=spec, sim_spec=sim_spec, plan=plan, model=model, rate=rate, poll=poll, offer=offer,
                  young_daly_every=yd, user_every=spec.checkpoint.every_steps, offers=offers, regions=regions,
                  no_capacity=no_capacity,
-                 fields={"spot_rate": est_mod.attempt_preemption_rate(spec, offer.nodes, preemptions_per_hour)})
+                 fields={"spot_rate": hours.attempt_preemption_rate(spec, offer.nodes, preemptions_per_hour)})
 
 
 def run_once(setup: Setup, index: int, seed: int, max_ticks: int = 20000) -> RunResult:
@@ -514,7 +340,7 @@ def summarize(setup: Setup, results: list[RunResult]) -> dict[str, Any]:
         "step_seconds": setup.model.step_s,
         "steps": setup.model.total_steps,
         "startup_seconds": setup.model.provision_s + setup.model.compile_s,
-        "startup": est_mod.startup(setup.spec, setup.offer),
+        "startup": hours.startup(setup.spec, setup.offer),
         "checkpoint_load_seconds": setup.model.load_s,
         "poll_seconds": setup.poll,
     }
@@ -574,7 +400,7 @@ def simulate_job(spec: JobSpec, preemptions_per_hour: float | None, runs: int, s
         # The user asks what spot at this rate would do: simulate the spot side of "prefer"
         # (the plan alone may rank on-demand first, where a preemption rate means nothing).
         spot_spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"spot": True})})
-        if est_mod.make_plan(spot_spec, preemptions_per_hour=preemptions_per_hour).chosen is not None:
+        if make_plan(spot_spec, preemptions_per_hour=preemptions_per_hour).chosen is not None:
             spec = spot_spec
             note = "resources.spot: prefer with --preemptions-per-hour: simulating the cheapest spot offer"
     out = simulate(spec, preemptions_per_hour, runs, seed, **opts)

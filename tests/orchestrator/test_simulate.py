@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from orchestrator.cli.app import app
 from orchestrator.plan.estimate import make_plan
-from orchestrator.run.simulate import Model, SimNode, simulate
+from orchestrator.run.simnode import Model, SimNode
+from orchestrator.run.simulate import simulate
 from orchestrator.plan.spec import parse_spec
 
 
