@@ -1,23 +1,8 @@
-"""The state store: one SQLite file (``$DTRUN_HOME/state.db``, default ``~/.dtrun``), mode 0600,
-WAL journal, so a CLI (``dtrun status``) can read while a controller writes, and two processes may
-write (each write is one short ``BEGIN IMMEDIATE`` transaction; ``busy_timeout`` waits for the
-other writer). Nothing secret is ever stored here: no provider keys, no AWS keys, no node env.
-
-Tables
-------
-``jobs``      one row per job name: state, reason, the resolved spec (YAML), run URI, progress
-              (step, steps, loss, tokens/s, last committed step), steps lost to preemptions, the
-              plan's estimate, the controller owning it (pid, host, last seen) and a
-              ``requested_action`` (``stop`` | ``stop_now``) that ``dtrun down`` writes and the
-              controller reads each tick.
-``attempts``  one row per launch (job, n): offer, provider, state, outcome, reason, times, the step it
-              started from and the step it reached; for several nodes, ``cluster``: each node's
-              record from the run URI (rank, private IP, host, state, exit code; ``nodes_json``).
-``nodes``     one row per launched instance: the provider ``Handle`` (JSON; local: pid, pgid,
-              log path), state, and ``terminated_at`` — set only once the provider confirmed it gone.
-``events``    timestamped, typed log lines per job (``state``, ``launch``, ``preempted``, …).
-``spend``     one row per attempt: price per hour actually rented, seconds billed, USD booked,
-              billed from/until. Provisioning time is included (billing starts at launch).
+"""The state store: every job's state, attempts, nodes, events and spend, in one SQLite file
+(``orchestrator.run.statedb``: where it lives, its tables, opening it). Every write is one short
+``BEGIN IMMEDIATE`` transaction, so several processes (a controller, ``dtrun status``, ``dtrun
+down``) may use it at once. Nothing secret is ever stored here: no provider keys, no AWS keys,
+no node env.
 
 API (what other modules use; every method is safe to call from several processes)
 ---------------------------------------------------------------------------------
@@ -48,117 +33,16 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from orchestrator.contract.errors import EXIT_JOB_FAILED, DtrunError
+# dtrun_home: where dtrun keeps its files; many callers import it from here
+from orchestrator.run.statedb import StateStoreError, columns, connect, default_path, dtrun_home  # noqa: F401
 
 ACTIVE_STATES = ("PENDING", "PROVISIONING", "RUNNING", "RECOVERING", "STOPPING")
 TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED", "OVER_BUDGET")
 STATES = ACTIVE_STATES + TERMINAL_STATES
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    name TEXT PRIMARY KEY,
-    state TEXT NOT NULL,
-    reason TEXT,
-    spec_yaml TEXT NOT NULL,
-    spec_path TEXT,
-    run_uri TEXT NOT NULL,
-    providers TEXT,
-    created REAL NOT NULL,
-    updated REAL NOT NULL,
-    started_at REAL,
-    finished_at REAL,
-    deadline REAL,
-    step INTEGER,
-    steps INTEGER,
-    loss REAL,
-    tokens_per_s REAL,
-    last_committed_step INTEGER,
-    progress_time REAL,
-    steps_lost INTEGER NOT NULL DEFAULT 0,
-    estimate_json TEXT,
-    budget_usd REAL,
-    session_first_attempt INTEGER NOT NULL DEFAULT 1,
-    restarts_used INTEGER NOT NULL DEFAULT 0,
-    stop_target TEXT,
-    stop_reason TEXT,
-    stop_started REAL,
-    stop_now INTEGER NOT NULL DEFAULT 0,
-    requested_action TEXT,
-    controller_pid INTEGER,
-    controller_host TEXT,
-    controller_seen REAL,
-    controller_log TEXT
-);
-CREATE TABLE IF NOT EXISTS attempts (
-    job TEXT NOT NULL,
-    n INTEGER NOT NULL,
-    provider TEXT NOT NULL,
-    offer_json TEXT NOT NULL,
-    state TEXT NOT NULL,
-    outcome TEXT,
-    reason TEXT,
-    created REAL NOT NULL,
-    launched_at REAL,
-    running_at REAL,
-    ended_at REAL,
-    start_step INTEGER,
-    end_step INTEGER,
-    log_path TEXT,
-    PRIMARY KEY (job, n)
-);
-CREATE TABLE IF NOT EXISTS nodes (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job TEXT NOT NULL,
-    attempt INTEGER NOT NULL,
-    provider TEXT NOT NULL,
-    name TEXT NOT NULL,
-    instance_id TEXT NOT NULL,
-    region TEXT,
-    handle_json TEXT NOT NULL,
-    state TEXT NOT NULL,
-    created REAL NOT NULL,
-    terminate_requested REAL,
-    terminated_at REAL
-);
-CREATE INDEX IF NOT EXISTS nodes_job ON nodes(job);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job TEXT NOT NULL,
-    time REAL NOT NULL,
-    type TEXT NOT NULL,
-    message TEXT NOT NULL,
-    data_json TEXT
-);
-CREATE INDEX IF NOT EXISTS events_job ON events(job, id);
-CREATE TABLE IF NOT EXISTS spend (
-    job TEXT NOT NULL,
-    attempt INTEGER NOT NULL,
-    price_per_hour REAL NOT NULL,
-    billed_from REAL NOT NULL,
-    billed_until REAL NOT NULL,
-    seconds REAL NOT NULL DEFAULT 0,
-    usd REAL NOT NULL DEFAULT 0,
-    closed INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (job, attempt)
-);
-"""
-
-_ADDED_COLS = {
-    "jobs": (("val_loss", "REAL"),),  # newest validation loss (progress.json's val_loss)
-    "attempts": (("nodes_json", "TEXT"),),  # multi-node: each node's record (rank, IP, state)
-}
-
 _JOB_COLS: set[str] = set()
 _ATTEMPT_COLS: set[str] = set()
 _NODE_COLS: set[str] = set()
-
-
-def dtrun_home() -> Path:
-    return Path(os.environ.get("DTRUN_HOME") or Path.home() / ".dtrun").expanduser()
-
-
-def default_path() -> Path:
-    return dtrun_home() / "state.db"
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -183,12 +67,6 @@ def pid_alive(pid: int | None) -> bool:
 HOST = socket.gethostname()
 
 
-class StateStoreError(DtrunError):
-    """The state store file cannot be opened or read (corrupt, not a file, no permission)."""
-
-    exit_code = EXIT_JOB_FAILED
-
-
 class StateStore:
     """SQLite-backed job state (see the module docstring for the API)."""
 
@@ -203,46 +81,13 @@ class StateStore:
                 f"jobs recorded in it are then unknown to dtrun — `dtrun gc` finds their instances)") from None
 
     def _open(self) -> None:
-        if self.path != ":memory:":
-            p = Path(self.path)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            if p.parent == dtrun_home():
-                try:
-                    os.chmod(p.parent, 0o700)
-                except OSError:
-                    pass
-            if not p.exists():
-                fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o600)
-                os.close(fd)
-            os.chmod(p, 0o600)
         self._lock = threading.RLock()
-        self._conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
-        self._conn.row_factory = sqlite3.Row
-        self._conn.execute("PRAGMA busy_timeout=30000")
-        if self.path != ":memory:":
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.executescript(_SCHEMA)  # commits on its own: outside an explicit transaction
-        # columns added after a store was first created (ALTER TABLE once; older stores keep working)
-        for table, added in _ADDED_COLS.items():
-            have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
-            for col, decl in added:
-                if col not in have:
-                    try:
-                        self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {col} {decl}")
-                    except sqlite3.OperationalError:  # another process added it first
-                        pass
-        if self.path != ":memory:":
-            for suffix in ("-wal", "-shm"):
-                try:
-                    os.chmod(self.path + suffix, 0o600)
-                except OSError:
-                    pass
+        self._conn = connect(self.path)
         global _JOB_COLS, _ATTEMPT_COLS, _NODE_COLS
         if not _JOB_COLS:
-            _JOB_COLS = {r[1] for r in self._conn.execute("PRAGMA table_info(jobs)")}
-            _ATTEMPT_COLS = {r[1] for r in self._conn.execute("PRAGMA table_info(attempts)")}
-            _NODE_COLS = {r[1] for r in self._conn.execute("PRAGMA table_info(nodes)")}
+            _JOB_COLS = columns(self._conn, "jobs")
+            _ATTEMPT_COLS = columns(self._conn, "attempts")
+            _NODE_COLS = columns(self._conn, "nodes")
 
     # ---- plumbing ------------------------------------------------------------------------
     class _Tx:
