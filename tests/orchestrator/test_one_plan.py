@@ -6,6 +6,9 @@ interval. A detached controller that cannot use the confirmed plan says why in a
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -57,7 +60,7 @@ def _stop(store, name: str) -> None:
         time.sleep(0.2)
 
 
-def test_a_detached_jobs_stored_estimate_and_interval_are_the_dry_runs(tmp_path, home, capsys):
+def test_a_detached_jobs_stored_estimate_and_interval_are_the_dry_runs(tmp_path, home, capsys, monkeypatch):
     from orchestrator.contract import runuri
     from orchestrator.run.state import StateStore
     from providers.fake import FakeProvider
@@ -89,21 +92,46 @@ def test_a_detached_jobs_stored_estimate_and_interval_are_the_dry_runs(tmp_path,
         assert att["offer"]["provider"] == dry["chosen"]["provider"]
         assert (att["offer"]["region"], att["offer"]["spot"]) == (dry["chosen"]["region"], dry["chosen"]["spot"])
         assert len(cloud.instances()) == 1
+        # the controller dies; one started with --job (what "detach" after Ctrl-C starts)
+        # re-attaches with the same confirmed plan instead of planning again
+        pid = store.get_job(NAME)["controller_pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.time() + 30
+        while StateStore.controller_alive(store.get_job(NAME)) and time.time() < deadline:
+            time.sleep(0.1)
+        seen = store.events(NAME)[-1]["id"]
+        _in_process(monkeypatch, store, ["--job", NAME], stop_after=2)
+        plans = [e for e in store.events(NAME, after_id=seen) if e["type"] == "plan"]
+        assert [e["data"]["confirmed"] for e in plans] == [True], plans
+        assert json.loads(store.get_job(NAME)["estimate_json"]) == est
+        assert store.get_job(NAME)["state"] == "CANCELLED" and len(store.attempts(NAME)) == 1
     finally:
         _stop(store, NAME)
     assert all(i.gone_at is not None for i in cloud.instances())
 
 
+def _in_process(monkeypatch, store, argv: list[str], stop_after: float) -> int:
+    """``python -m orchestrator.cli.detached ARGV`` in this process, stopped (``dtrun down --now``)
+    after ``stop_after`` seconds."""
+    from orchestrator.cli import detached
+
+    monkeypatch.setattr(detached.signal, "signal", lambda *a: None)  # pytest keeps its own handlers
+    timer = threading.Timer(stop_after, lambda: store.request_action(NAME, "stop_now"))
+    timer.start()
+    try:
+        return detached.main(argv)
+    finally:
+        timer.cancel()
+
+
 def test_a_detached_controller_without_the_confirmed_plan_says_why_it_planned_again(tmp_path, home, monkeypatch):
     """The plan file is gone (or its offer is no longer sold): the detached controller plans once
     more, on the resolved spec, and an event says why and what it chose."""
-    from orchestrator.cli import detached
     from orchestrator.plan.spec import load_spec
     from orchestrator.run import prepare
     from orchestrator.run.state import StateStore
     from providers.fake import FakeOfferTemplate, FakeProvider
 
-    monkeypatch.setattr(detached.signal, "signal", lambda *a: None)  # pytest keeps its own handlers
     f = _job(tmp_path)
     cloud = FakeProvider(path=home / "fake-cloud.json", provision_seconds=3600)
     confirmed = prepare.prepare(load_spec(f), spec_path=str(f))
@@ -111,18 +139,8 @@ def test_a_detached_controller_without_the_confirmed_plan_says_why_it_planned_ag
     # the confirmed offer is no longer sold; a dearer region is
     cloud.configure(offers=[FakeOfferTemplate("fake-west", "H100", True, 9.0)])
     store = StateStore()
-    stop = {"at": time.time() + 3}
     try:
-        import threading
-
-        def stopper():
-            while time.time() < stop["at"]:
-                time.sleep(0.1)
-            store.request_action(NAME, "stop_now")
-
-        threading.Thread(target=stopper, daemon=True).start()
-        rc = detached.main(["--plan", str(path)])
-        assert rc in (0, 1)
+        assert _in_process(monkeypatch, store, ["--plan", str(path)], stop_after=3) == 1  # CANCELLED
         events = [e for e in store.events(NAME) if e["type"] == "plan"]
         assert events, [e["message"] for e in store.events(NAME)]
         msg = events[0]["message"]
@@ -139,6 +157,7 @@ def test_a_detached_controller_without_the_confirmed_plan_says_why_it_planned_ag
 def test_the_prepared_plan_survives_its_file(tmp_path, home):
     from orchestrator.plan.spec import load_spec, spec_to_yaml
     from orchestrator.run import prepare
+    from providers import registry
     from providers.fake import FakeProvider
 
     FakeProvider(path=home / "fake-cloud.json")
@@ -153,3 +172,11 @@ def test_the_prepared_plan_survives_its_file(tmp_path, home):
     assert q.written.model_dump() == p.written.model_dump()
     assert q.written.trainer.model_fields_set == p.written.trainer.model_fields_set
     assert prepare.prepare(q.written).plan.estimate == p.plan.estimate
+    # no record: planned again, saying why; a record of another spec does not count for a re-attach
+    again, why = prepare.confirmed(tmp_path / "nope.json", registry.get, fallback=p.written)
+    assert why.startswith(f"no confirmed plan at {tmp_path / 'nope.json'}: planned again: ")
+    assert again.plan.estimate == p.plan.estimate
+    _, why = prepare.confirmed(prepare.plan_path(NAME), registry.get, spec_yaml="name: other\n", fallback=p.spec)
+    assert why.startswith("the confirmed plan is not for the spec the job is recorded with")
+    same, why = prepare.confirmed(prepare.plan_path(NAME), registry.get, spec_yaml=spec_to_yaml(p.spec))
+    assert why is None and same.plan.to_dict() == p.plan.to_dict()
