@@ -1,12 +1,16 @@
 """The layout stays true: imports never cross the lines the package docstrings draw.
 
 Reads every module's imports with ``ast`` (lazy imports inside functions included, since they run
-too) and fails naming the file, the line and the rule. See ``orchestrator/__init__.py``.
+too) and fails naming the file, the line and the rule. See ``orchestrator/__init__.py``. Also: no
+import loops (at module level anywhere; through lazy imports inside a package and across
+packages). Each check has a probe test that proves it can fail.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
@@ -24,14 +28,23 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path) -> list[tuple[int, str, bool]]:
-    """(line, imported module, at module level) for every import in the file."""
+def _imports(path: Path, mod: str | None = None) -> list[tuple[int, str, bool]]:
+    """(line, imported module, at module level) for every import in the file (``mod``: its module
+    name, when the file is not under the repository — the probes below)."""
+    st = path.stat()
+    return list(_imports_of(str(path), st.st_mtime_ns, st.st_size, mod or _module_name(path)))
+
+
+@functools.lru_cache(maxsize=None)
+def _imports_of(file: str, _mtime_ns: int, _size: int, mod: str) -> tuple[tuple[int, str, bool], ...]:
+    """:func:`_imports`, parsed once per version of the file (the checks below walk every file
+    several times)."""
+    path = Path(file)
     tree = ast.parse(path.read_text(), filename=str(path))
     top = {id(n) for n in tree.body}
     for n in tree.body:  # imports under a top-level `if`/`try` also run at import time
         if isinstance(n, (ast.If, ast.Try)):
             top.update(id(c) for c in ast.walk(n))
-    mod = _module_name(path)
     is_pkg = path.name == "__init__.py"
     out = []
     for node in ast.walk(tree):
@@ -46,7 +59,7 @@ def _imports(path: Path) -> list[tuple[int, str, bool]]:
                 target = node.module or ""
             names = [f"{target}.{a.name}" for a in node.names]
             out += [(node.lineno, n, id(node) in top) for n in names]
-    return out
+    return tuple(out)
 
 
 def _all_files() -> list[Path]:
@@ -61,33 +74,43 @@ def _under(name: str, prefix: str) -> bool:
 
 
 RULES = [
-    # (who, what it may not import, why)
+    # (who, what it may not import, why); who is a module prefix, or a pattern with "*"
     ("orchestrator.contract", ("orchestrator.plan", "orchestrator.run", "orchestrator.cli", "providers", "trainer")
      + HEAVY, "contract is the bottom layer: it imports nothing of dtrun"),
     ("orchestrator.plan", ("orchestrator.run", "orchestrator.cli", "trainer") + HEAVY,
      "plan is pure Python: no run/, cli/, trainer, torch or provider SDK"),
     ("orchestrator.run", ("orchestrator.cli",), "nothing imports cli"),
+    ("orchestrator.run", ("trainer",),
+     "run/ reaches the trainer only through the contract (the run URI, the dataset) or a subprocess"),
     ("providers", ("orchestrator.plan", "orchestrator.run", "orchestrator.cli", "trainer"),
      "providers import only orchestrator.contract of the orchestrator"),
     ("trainer", ("orchestrator.run", "orchestrator.cli", "providers"),
      "the trainer imports only the contract and the plan (spec, model shapes)"),
     ("infra", ("orchestrator.plan", "orchestrator.run", "orchestrator.cli", "providers"),
      "a node needs only the contract (and the trainer)"),
-    ("infra.node_bootstrap", ("torch",), "the node's watchdog never imports torch, so it stays light"),
+    ("infra.node*", ("torch",),
+     "the node's own process (bootstrap, config, network, process tree, watchdog, log, report, setup) "
+     "never imports torch, so it stays light and outlives the trainer"),
 ]
 
 
-def _violations() -> list[str]:
+def _ruled(mod: str, who: str) -> bool:
+    return fnmatchcase(mod, who) if "*" in who else _under(mod, who)
+
+
+def _violations(extra: dict[str, Path] | None = None) -> list[str]:
+    """Every import that breaks a rule; ``extra``: more modules (name → file) to check."""
     bad = []
-    for f in _all_files():
-        mod = _module_name(f)
-        for line, target, _top in _imports(f):
+    files = {_module_name(f): f for f in _all_files()} | (extra or {})
+    for mod, f in files.items():
+        where = f.relative_to(ROOT) if f.is_relative_to(ROOT) else f
+        for line, target, _top in _imports(f, mod):
             for who, banned, why in RULES:
-                if not _under(mod, who):
+                if not _ruled(mod, who):
                     continue
                 for b in banned:
                     if _under(target, b) or (b in HEAVY and target.split(".")[0] == b):
-                        bad.append(f"{f.relative_to(ROOT)}:{line}: imports {target} ({why})")
+                        bad.append(f"{where}:{line}: imports {target} ({why})")
     return bad
 
 
@@ -103,6 +126,19 @@ def test_rules_catch_a_crossing(tmp_path, monkeypatch):
         assert any("_layout_probe.py:2" in v for v in _violations())
     finally:
         fake.unlink()
+
+
+@pytest.mark.parametrize("mod, body, rule", [
+    ("orchestrator.run._probe", "def f():\n    from trainer.shardlist import list_shards\n", "run/ reaches the trainer"),
+    ("orchestrator.run._probe", "import trainer.preflight\n", "run/ reaches the trainer"),
+    ("infra.node_watchdog_probe", "def f():\n    import torch.distributed\n", "never imports torch"),
+    ("infra.node.watchdog", "from torch import cuda\n", "never imports torch"),
+])
+def test_each_new_rule_catches_its_crossing(tmp_path, mod, body, rule):
+    """``run → trainer`` (lazy or not) and torch in a node module are reported (so the rules can fail)."""
+    f = tmp_path / "probe.py"
+    f.write_text(body)
+    assert [v for v in _violations({mod: f}) if str(f) in v and rule in v]
 
 
 def _module_level_graph() -> dict[str, set[str]]:
@@ -161,22 +197,41 @@ def _package_of(mods: dict[str, Path], m: str) -> str:
     return m if mods[m].name == "__init__.py" else m.rpartition(".")[0]
 
 
-def _lazy_loops(mods: dict[str, Path]) -> list[str]:
+def _lazy_loops(mods: dict[str, Path], across: bool = False) -> list[str]:
     """Import loops between modules of one package, lazy imports (inside functions) included:
-    two modules that need each other belong in one place (or their shared part in a third)."""
+    two modules that need each other belong in one place (or their shared part in a third).
+
+    ``across``: the loops whose modules are in more than one package instead (``providers.catalog``
+    ↔ ``providers.skypilot.prices`` was one), imports of a package's ``__init__`` included; a
+    package's ``__init__`` importing its own submodules that import it back is not counted (as in
+    :func:`test_no_import_loops`)."""
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for m, f in mods.items():
-        for _line, target, _top in _imports(f):
+        for _line, target, _top in _imports(f, m):
             while target and target not in mods:
                 target = target.rpartition(".")[0]
-            if (target and target != m and mods[target].name != "__init__.py"
-                    and _package_of(mods, target) == _package_of(mods, m)):
+            if not target or target == m:
+                continue
+            if across or (mods[target].name != "__init__.py"
+                          and _package_of(mods, target) == _package_of(mods, m)):
                 graph[m].add(target)
-    return _loops(graph)
+    loops = _loops(graph)
+    if not across:
+        return loops
+    out = []
+    for lp in loops:
+        names = lp.split(" → ")
+        if len({_package_of(mods, x) for x in names}) > 1 and not all(_under(x, names[0]) for x in names):
+            out.append(lp)
+    return out
 
 
 def test_no_lazy_import_loops_inside_a_package():
     assert _lazy_loops({_module_name(f): f for f in _all_files()}) == []
+
+
+def test_no_lazy_import_loops_across_packages():
+    assert _lazy_loops({_module_name(f): f for f in _all_files()}, across=True) == []
 
 
 def test_lazy_loop_check_catches_a_loop_hidden_in_functions():
@@ -193,3 +248,28 @@ def test_lazy_loop_check_catches_a_loop_hidden_in_functions():
     finally:
         a.unlink()
         b.unlink()
+
+
+def test_lazy_loop_check_catches_a_loop_across_packages(tmp_path):
+    """A module of providers/ and one of providers/skypilot/ importing each other only inside
+    functions (the shape of the old catalog ↔ prices circle) are reported; the same pair inside one
+    package is left to the check above, and a package's __init__ importing its submodule is not."""
+    mods = {_module_name(f): f for f in _all_files()}
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("def f():\n    from providers.skypilot import _probe_prices\n")
+    b.write_text("def g():\n    from providers._probe_catalog import f\n    return f\n")
+    loops = _lazy_loops({**mods, "providers._probe_catalog": a, "providers.skypilot._probe_prices": b}, across=True)
+    assert any("providers._probe_catalog" in lp and "providers.skypilot._probe_prices" in lp for lp in loops)
+    # through a package's __init__ (a re-export) it is the same circle
+    c = tmp_path / "c.py"
+    c.write_text("def f():\n    from providers.skypilot import SkyPilotProvider\n")
+    d = tmp_path / "d.py"
+    d.write_text("from providers.skypilot._probe_provider import SkyPilotProvider\n")
+    e = tmp_path / "e.py"
+    e.write_text("class SkyPilotProvider:\n    def go(self):\n        from providers._probe_catalog import f\n")
+    loops = _lazy_loops({**mods, "providers._probe_catalog": c, "providers.skypilot": d,
+                         "providers.skypilot._probe_provider": e}, across=True)
+    assert any("providers._probe_catalog" in lp and "providers.skypilot._probe_provider" in lp for lp in loops)
+    # one package's own loop is not reported here
+    loops = _lazy_loops({**mods, "providers._probe_a": a, "providers._probe_b": b}, across=True)
+    assert not any("_probe" in lp for lp in loops)
