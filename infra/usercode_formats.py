@@ -10,8 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
-DONE_WRITING = "DONE_WRITING"
-"""The ``marker`` format's last file in a checkpoint folder (``infra.adapters.marker``)."""
+from infra.adapters.marker import DONE_WRITING  # the marker format's last file: the script's helper and the node agree
 
 _HF_RE = re.compile(r"^checkpoint-(\d+)$")
 _CKPT_STEP_RE = re.compile(r"step[=_-]?(\d+)")
