@@ -18,32 +18,22 @@ What it does, in order:
    multi-node: ``SKYPILOT_NODE_RANK``/``SKYPILOT_NODE_IPS``/``SKYPILOT_NUM_GPUS_PER_NODE`` →
    ``--nnodes/--node-rank/--master-addr/--master-port``).
    Multi-node: ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` name the interface that carries this
-   node's private IP (``infra.node_network.network_env``); a master hostname that resolves to loopback, or a
-   loopback address for this node, is refused (exit 2).
+   node's private IP (``infra.node_network.network_env``); a master hostname that resolves to
+   loopback, or a loopback address for this node, is refused (exit 2).
 3. Starts ``torchrun ... -m trainer --job <file> --run-uri <uri>`` as a child in its own process
    group (through ``infra/torchrun_launch.py``, which passes the trainer's exit code through
    instead of torchrun's blanket 1). The child dies with the bootstrap (``PR_SET_PDEATHSIG``) and
    the bootstrap is a child subreaper, so nothing the trainer started outlives it.
 4. Forwards SIGTERM/SIGINT to torchrun: a spot notice becomes the trainer's emergency checkpoint
    (exit 75).
-5. Runs a watchdog thread every ``DTRUN_WATCHDOG_SECONDS`` (default 10) that, with or without a
-   controller, stops the run when
-     - ``budget``: this node's spend (``DTRUN_PRICE_PER_HOUR`` × time since launch) would reach
-       ``DTRUN_BUDGET_LEFT_USD`` by the next check plus a whole stop sequence (both graces below),
-       so even a trainer that has to be killed is gone before the money runs out;
-     - ``deadline``: ``DTRUN_DEADLINE`` (unix time) is within two check intervals plus both graces;
-     - ``restart``: the provider ends this node ``DTRUN_NODE_TIMEOUT_SECONDS`` after its start
-       (Modal's 24-hour sandbox cap); ``DTRUN_RESTART_GRACE_SECONDS`` (default 1200) before that, less
-       the same margins, it stops for a planned restart (checkpoint, exit 76, resume elsewhere) —
-       so the watchdog's deadline is the earlier of the job's deadline and the node's timeout less
-       the grace;
-     - ``controller_lost``: ``lease.json`` has been expired for longer than
-       ``DTRUN_CONTROLLER_LOST_MINUTES`` (only when set);
-     - ``idle``: ``progress.json``'s step has not advanced for ``DTRUN_IDLE_MINUTES``.
-   Stopping = write ``watchdog.json`` ({"reason", "time", ...}) and ``STOP`` to the run URI (the
-   trainer checkpoints and exits 0); if the trainer is still there after
-   ``DTRUN_STOP_GRACE_SECONDS`` (default 120), SIGTERM the torchrun group (emergency checkpoint),
-   and after ``DTRUN_KILL_GRACE_SECONDS`` (default 40) SIGKILL it and every descendant.
+5. Runs a watchdog thread (``infra/node_watchdog.py``) every ``DTRUN_WATCHDOG_SECONDS`` (default
+   10) that, with or without a controller, stops the run for ``budget`` (``DTRUN_PRICE_PER_HOUR``,
+   ``DTRUN_BUDGET_LEFT_USD``, counted from ``DTRUN_LAUNCHED_AT``), ``deadline`` (``DTRUN_DEADLINE``),
+   ``restart`` (the provider's own end of the node, ``DTRUN_NODE_TIMEOUT_SECONDS`` less
+   ``DTRUN_RESTART_GRACE_SECONDS``), ``controller_lost`` (``DTRUN_CONTROLLER_LOST_MINUTES``) or
+   ``idle`` (``DTRUN_IDLE_MINUTES``): ``watchdog.json`` and ``STOP`` (the trainer checkpoints and
+   exits 0), SIGTERM after ``DTRUN_STOP_GRACE_SECONDS`` (120), SIGKILL of the whole tree after
+   ``DTRUN_KILL_GRACE_SECONDS`` (40) more.
 6. Exits with 76 (``EXIT_WATCHDOG``) when the watchdog stopped the run (0 if the trainer still
    wrote ``DONE``), 75 when a forwarded SIGTERM ended it, otherwise the trainer's exit code.
 7. Runs ``DTRUN_SELF_TERMINATE`` (a shell command, remote nodes only) after the trainer exits,

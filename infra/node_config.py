@@ -30,6 +30,10 @@ class ConfigError(Exception):
 
 @dataclass
 class NodeConfig:
+    """What this node runs with: every value of the contract's ``NodeEnv`` with the node's default
+    applied where the launch left it unset (the watchdog's ``check_seconds`` is
+    ``DTRUN_WATCHDOG_SECONDS``)."""
+
     run_uri: str
     job: str
     attempt: int = 0
