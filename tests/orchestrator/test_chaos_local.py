@@ -62,10 +62,9 @@ def alive(pid: int) -> bool:
 
 
 def tree(pid: int) -> set[int]:
-    sys.path.insert(0, str(REPO / "infra"))
-    import node_bootstrap as nb
+    from infra.node_proctree import descendants
 
-    return {pid, *nb.descendants(pid)}
+    return {pid, *descendants(pid)}
 
 
 @pytest.mark.e2e  # a whole fault/resume scenario with the real trainer: `make e2e`

@@ -20,7 +20,7 @@ from datetime import timedelta
 import pytest
 from conftest import LAUNCH, REPO, free_port, two_nodes, wait_for
 
-from infra.node_bootstrap import descendants
+from infra.node_proctree import descendants
 from orchestrator.contract import runuri
 
 pytestmark = pytest.mark.slow
