@@ -37,10 +37,10 @@ test-fast: $(STAMP)
 
 # End-to-end suites against the emulated clouds in tests/e2e/ (slow; some need root), and the
 # whole fault/resume scenarios with the real trainer elsewhere in tests/ (marked e2e).
-# The Lambda lab (tests/e2e/lambdalab) needs root, namespaces and sshd/rsync/sudo/tini: the script
+# The Lambda lab (tests/e2e/clouds/lambdalab) needs root, namespaces and sshd/rsync/sudo/tini: the script
 # installs the missing packages (apt); the lab's runtime cache is built once in /var/cache/dtrun-lab.
 e2e: $(STAMP)
-	tests/e2e/lambdalab/setup-host.sh
+	tests/e2e/clouds/lambdalab/setup-host.sh
 	$(PY) -m pytest -q -m e2e tests
 
 bench: $(STAMP)

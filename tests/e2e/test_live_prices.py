@@ -1,5 +1,5 @@
 """Live prices (issue 24): `dtrun prices --refresh` runs SkyPilot 0.14.1's own fetchers against the
-price lab (tests/e2e/pricelab: RunPod GraphQL, Vast bundles, Lambda instance types on 127.0.0.1),
+price lab (tests/e2e/clouds/pricelab: RunPod GraphQL, Vast bundles, Lambda instance types on 127.0.0.1),
 installs SkyPilot's own catalog files, and dtrun's quote, SkyPilot's optimizer and the bid
 SkyPilot places agree; a refresh that times out or gets garbage falls back with one line."""
 
@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.conftest import write_provider_credentials
-from tests.e2e.pricelab.servers import PriceServers
+from tests.e2e.clouds.pricelab.servers import PriceServers
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT2 = ROOT / "jobs" / "gpt2-124m.yaml"

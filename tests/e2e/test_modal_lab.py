@@ -1,8 +1,8 @@
 """Modal, run for real: ``dtrun up`` through the real ``modal`` 1.6.4 client against the Modal lab
-(``tests/e2e/modal_lab``: a local control plane whose sandboxes are real processes), moto S3 on
+(``tests/e2e/clouds/modal_lab``: a local control plane whose sandboxes are real processes), moto S3 on
 127.0.0.1 for the run URI, a tiny model on 2 CPU ranks (torchrun, gloo) inside the sandbox.
 
-The lab is driven as another check would drive it: ``python -m tests.e2e.modal_lab serve
+The lab is driven as another check would drive it: ``python -m tests.e2e.clouds.modal_lab serve
 --execute`` in its own process, faults through its CLI; ``dtrun`` is the real CLI in subprocesses.
 """
 
@@ -23,7 +23,7 @@ from tests.e2e.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
-LAB = [PY, "-m", "tests.e2e.modal_lab"]
+LAB = [PY, "-m", "tests.e2e.clouds.modal_lab"]
 
 
 # The lab emulates no GPUs: the jobs ask for T4s (priced, placed and billed as Modal's T4) and

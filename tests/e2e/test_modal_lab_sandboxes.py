@@ -11,7 +11,7 @@ import time
 import pytest
 
 from providers.modal.api import ModalAPI, SandboxSpec
-from tests.e2e.modal_lab import ExecutingModal
+from tests.e2e.clouds.modal_lab import ExecutingModal
 
 PROG = """import os, sys, time, signal, pkg
 signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM', flush=True), sys.exit(75)))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.lambdalab import lab as lablib
+from tests.e2e.clouds.lambdalab import lab as lablib
 from tests.e2e.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[3]

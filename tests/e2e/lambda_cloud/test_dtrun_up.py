@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.e2e.lambda_cloud.conftest import check_money, dtrun, job_yaml, wait_until
-from tests.e2e.lambdalab import lab as lablib
+from tests.e2e.clouds.lambdalab import lab as lablib
 
 pytestmark = pytest.mark.timeout(2400)  # a launch takes minutes on 2 shared cores
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tests.e2e.lambdalab import lab as lablib
-from tests.e2e.lambdalab import node
+from tests.e2e.clouds.lambdalab import lab as lablib
+from tests.e2e.clouds.lambdalab import node
 
 
 @pytest.fixture

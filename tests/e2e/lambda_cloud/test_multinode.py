@@ -23,7 +23,7 @@ import yaml
 from tests.e2e.lambda_cloud.conftest import (
     check_money, dtrun, dtrun_up_running, job_yaml, step, wait_for_next_attempt, wait_until,
 )
-from tests.e2e.lambdalab import lab as lablib
+from tests.e2e.clouds.lambdalab import lab as lablib
 
 HSDP = {"dp_replicate": 2, "dp_shard": 2}
 

@@ -13,7 +13,7 @@ import pytest
 from tests.e2e.lambda_cloud.conftest import (
     check_money, dtrun, dtrun_up_running, job_yaml, step, wait_for_next_attempt, wait_until,
 )
-from tests.e2e.lambdalab import lab as lablib
+from tests.e2e.clouds.lambdalab import lab as lablib
 
 STEPS = 300
 

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 
 from tests.e2e.lambda_cloud.conftest import dtrun, dtrun_up_running, job_yaml, step, wait_until
-from tests.e2e.lambdalab import lab as lablib
+from tests.e2e.clouds.lambdalab import lab as lablib
 
 pytestmark = pytest.mark.timeout(2400)  # a launch takes minutes on 2 shared cores
 

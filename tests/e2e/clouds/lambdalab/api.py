@@ -24,7 +24,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from tests.e2e.lambdalab import node
+from tests.e2e.clouds.lambdalab import node
 
 REGION_DESC = {"us-east-1": "Virginia, USA", "us-west-1": "California, USA", "us-south-1": "Texas, USA"}
 MAX_NODES = 200

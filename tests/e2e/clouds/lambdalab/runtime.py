@@ -11,7 +11,7 @@ Layout under ``$DTRUN_LAB_CACHE`` (default ``/var/cache/dtrun-lab``)::
                             system python3, as Lambda's VM image ships it; overlaid on /usr
     STAMP                   the key of what was built (a changed requirement set rebuilds)
 
-Run ``python -m tests.e2e.lambdalab runtime`` to build it alone; ``start`` builds it when missing.
+Run ``python -m tests.e2e.clouds.lambdalab runtime`` to build it alone; ``start`` builds it when missing.
 """
 
 from __future__ import annotations

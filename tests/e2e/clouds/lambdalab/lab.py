@@ -22,11 +22,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.e2e.lambdalab import node, runtime
+from tests.e2e.clouds.lambdalab import node, runtime
 
 LAB_DIR = Path(os.environ.get("DTRUN_LAB_DIR", "/var/lib/dtrun-lab/lab"))
 PORT = int(os.environ.get("DTRUN_LAB_PORT", "8787"))
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 REAL_CATALOG = REPO / "tests" / "providers" / "data" / "skypilot_catalogs" / "v8"
 REGIONS = ("us-east-1", "us-west-1", "us-south-1")
 """The lab's regions (the real catalog's rows for these; cheapest first is SkyPilot's business)."""
@@ -70,7 +70,7 @@ def preflight() -> str | None:
     for tool in ("ip", "unshare", "tini", "sshd", "rsync", "sudo", "ssh"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
             return (f"the Lambda lab needs `{tool}` (apt-get install -y openssh-server rsync sudo tini; "
-                    f"`make e2e` runs tests/e2e/lambdalab/setup-host.sh)")
+                    f"`make e2e` runs tests/e2e/clouds/lambdalab/setup-host.sh)")
     probe = subprocess.run(["unshare", "--mount", "--net", "--pid", "--uts", "--fork", "--mount-proc", "true"],
                            capture_output=True, text=True)
     if probe.returncode != 0:
@@ -141,7 +141,7 @@ def start(log=print) -> dict[str, str]:
     node.bridge_up()
     if not running():
         with open(LAB_DIR / "api.out", "ab") as out:
-            p = subprocess.Popen([sys.executable, "-m", "tests.e2e.lambdalab", "serve"], cwd=REPO,
+            p = subprocess.Popen([sys.executable, "-m", "tests.e2e.clouds.lambdalab", "serve"], cwd=REPO,
                                  env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL,
                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         (LAB_DIR / "api.pid").write_text(str(p.pid))
@@ -156,7 +156,7 @@ def start(log=print) -> dict[str, str]:
 
 
 def serve() -> None:
-    from tests.e2e.lambdalab import api
+    from tests.e2e.clouds.lambdalab import api
 
     cloud = api.Cloud(LAB_DIR, home() / ".sky" / "catalogs" / "v8" / "lambda" / "vms.csv", api_key())
     signal.signal(signal.SIGTERM, lambda *_: (cloud.shutdown(), os._exit(0)))

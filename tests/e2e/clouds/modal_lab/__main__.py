@@ -1,15 +1,15 @@
 """The Modal lab's CLI: serve a local Modal control plane, and drive it from another process.
 
-    python -m tests.e2e.modal_lab serve --execute [--root DIR] [--grace S] [--refuse-capacity N]
+    python -m tests.e2e.clouds.modal_lab serve --execute [--root DIR] [--grace S] [--refuse-capacity N]
         prints ``MODAL_SERVER_URL=http://127.0.0.1:P`` (for the real ``modal`` client) and
         ``MODAL_LAB_CONTROL=http://127.0.0.1:Q`` (for the commands below), then serves until
         SIGTERM/SIGINT; every sandbox's processes are killed when it stops. Without ``--execute``
         sandboxes are created but never run (the scripted control plane).
-    python -m tests.e2e.modal_lab evict NAME | oom NAME | expire NAME | terminate NAME
+    python -m tests.e2e.clouds.modal_lab evict NAME | oom NAME | expire NAME | terminate NAME
         a fault on the running sandbox called NAME (its name, or its id)
-    python -m tests.e2e.modal_lab capacity N     the next N creates are refused (never scheduled)
-    python -m tests.e2e.modal_lab status [--json]
-    python -m tests.e2e.modal_lab bill [--json]  sandbox-seconds × dtrun's catalog price
+    python -m tests.e2e.clouds.modal_lab capacity N     the next N creates are refused (never scheduled)
+    python -m tests.e2e.clouds.modal_lab status [--json]
+    python -m tests.e2e.clouds.modal_lab bill [--json]  sandbox-seconds × dtrun's catalog price
 
 The commands find the server through ``--control URL`` or ``MODAL_LAB_CONTROL``. Exit codes:
 0 done, 1 no such sandbox / refused, 2 bad usage or no server.
@@ -69,7 +69,7 @@ def _handler(lab: Any) -> type[BaseHTTPRequestHandler]:
 
 def serve(args: argparse.Namespace) -> int:
     if args.execute:
-        from tests.e2e.modal_lab.control import ExecutingModal
+        from tests.e2e.clouds.modal_lab.control import ExecutingModal
 
         root = args.root or tempfile.mkdtemp(prefix="modal-lab-")
         lab = ExecutingModal(root, terminate_grace=args.grace)
@@ -113,7 +113,7 @@ def _call(control: str, path: str, body: dict | None = None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.e2e.modal_lab", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.e2e.clouds.modal_lab", description=__doc__.split("\n\n")[0])
     ap.add_argument("--control", default=os.environ.get("MODAL_LAB_CONTROL", ""),
                     help="the control URL `serve` printed (default: $MODAL_LAB_CONTROL)")
     sub = ap.add_subparsers(dest="cmd", required=True)

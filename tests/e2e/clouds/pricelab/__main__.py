@@ -1,10 +1,10 @@
-"""``python -m tests.e2e.pricelab [--mode CLOUD=slow|garbage ...] HOOK_DIR``: serve the three price
+"""``python -m tests.e2e.clouds.pricelab [--mode CLOUD=slow|garbage ...] HOOK_DIR``: serve the three price
 APIs on 127.0.0.1 until interrupted, printing the environment a fetcher process needs."""
 import argparse
 import signal
 from pathlib import Path
 
-from tests.e2e.pricelab.servers import PriceServers
+from tests.e2e.clouds.pricelab.servers import PriceServers
 
 ap = argparse.ArgumentParser()
 ap.add_argument("hook_dir", type=Path)

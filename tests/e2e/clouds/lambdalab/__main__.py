@@ -1,4 +1,4 @@
-"""The Lambda lab's CLI (root): ``python -m tests.e2e.lambdalab COMMAND``.
+"""The Lambda lab's CLI (root): ``python -m tests.e2e.clouds.lambdalab COMMAND``.
 
     start                 build the runtime cache if missing, bridge, lab HOME, API emulator;
                           prints the environment to export (shell syntax)
@@ -17,7 +17,7 @@ import json
 import shlex
 import sys
 
-from tests.e2e.lambdalab import lab, runtime
+from tests.e2e.clouds.lambdalab import lab, runtime
 
 
 def _print_env(env: dict[str, str]) -> None:
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
         left = lab.stop(log=lambda m: print(m, file=sys.stderr))
         return 1 if any(left.values()) else 0
     if not lab.running():
-        print("lab: not running (python -m tests.e2e.lambdalab start)", file=sys.stderr)
+        print("lab: not running (python -m tests.e2e.clouds.lambdalab start)", file=sys.stderr)
         return 1
     if cmd == "status":
         st = lab.call("status")

@@ -29,7 +29,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.e2e.lambdalab import runtime
+from tests.e2e.clouds.lambdalab import runtime
 
 BRIDGE = "dtlab0"
 HOST_IP = "10.77.0.1"

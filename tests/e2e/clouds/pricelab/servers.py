@@ -172,7 +172,7 @@ class PriceServers:
                 "DTRUN_TEST_LAMBDA_ENDPOINT": f"{self.url('lambda')}/instance-types"}
 
 
-HOOK = '''"""Test infrastructure (tests/e2e/pricelab/servers.py): point SkyPilot's Lambda fetcher,
+HOOK = '''"""Test infrastructure (tests/e2e/clouds/pricelab/servers.py): point SkyPilot's Lambda fetcher,
 whose endpoint is a module constant, at DTRUN_TEST_LAMBDA_ENDPOINT once it is imported."""
 import importlib.abc
 import os
