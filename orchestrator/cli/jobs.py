@@ -398,12 +398,9 @@ def cmd_down(job: str, now: bool, yes: bool = False) -> int:
     view = PlainView(store, job)
     ctl = Controller(spec, store, on_event=view.event)
     if row["state"] in TERMINAL_STATES:
-        # finished, but a node is still recorded alive: terminate it (confirmed)
-        try:
-            while not ctl._terminate_nodes():
-                time.sleep(1)
-        finally:
-            ctl._close_providers()  # stop SkyPilot's API server if terminating started it
+        # finished, but a node is still recorded alive: terminate it (confirmed), then close the
+        # providers (SkyPilot: stop the API server if terminating started it)
+        ctl.teardown.terminate_all(sleep=time.sleep)
         print(f"{job}: every node terminated (confirmed)")
         return EXIT_OK
     state = ctl.run()

@@ -30,9 +30,18 @@ count only user-code failures):
 * preemptions are bounded by money and time (the guard: ``budget.max_usd``, ``budget.max_hours``)
   and by a rate limit: more than ``recovery.max_preemptions_per_hour`` preemptions within the
   last hour stops the job with a reason that says so (:func:`preemption_storm`).
+
+:class:`Recovery` holds one job's recovery state — the strategy, when the next launch may start,
+since when no node has run — and applies the limits: ``max_attempts`` and the storm before a
+launch (:meth:`Recovery.launch_refusal`), ``max_recovery_minutes`` while no node runs
+(:meth:`Recovery.overdue`), ``max_restarts_on_errors`` after a trainer failure
+(:meth:`Recovery.restart_refusal`). Like SkyPilot's ``StrategyExecutor`` it owns the counting of
+launches and restarts; unlike it, it never launches: ``orchestrator.run.launching`` does.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from providers.base import Offer
 
@@ -122,3 +131,79 @@ class FailoverStrategy:
             self.failures += 1
             return self.backoff() or self.base
         return 0.0
+
+
+class Recovery:
+    """One job's recovery limits and backoff (``spec.recovery``: max_attempts, backoff_seconds,
+    max_preemptions_per_hour, max_recovery_minutes, max_restarts_on_errors)."""
+
+    def __init__(self, recovery: Any) -> None:
+        self.limits = recovery
+        self.strategy: FailoverStrategy | None = None
+        self.next_launch_at = 0.0
+        """The next launch may start then (the backoff after a failure)."""
+        self.started: float | None = None
+        """Since when no node has run (a launch, or a relaunch, in progress): bounded by
+        ``recovery.max_recovery_minutes``; None while an attempt makes progress."""
+
+    def make_strategy(self, offers: list[Offer], prefer: dict | None = None) -> None:
+        """The failover strategy over the plan's ``offers``, starting at ``prefer`` (an offer's
+        dict: the attempt a restarted controller re-attaches to) when it is among them."""
+        if not offers:
+            return
+        idx = 0
+        if prefer:
+            want = Offer.from_dict(prefer).key()
+            idx = next((i for i, o in enumerate(offers) if o.key() == want), 0)
+        self.strategy = FailoverStrategy(list(offers), self.limits.backoff_seconds, idx)
+
+    def begin(self, now: float) -> None:
+        """A launch (or relaunch) is under way: the recovery clock runs from now unless it already does."""
+        if self.started is None:
+            self.started = now
+
+    def progressed(self) -> None:
+        """The attempt trained past its start: failures in a row reset, the recovery clock stops."""
+        if self.strategy:
+            self.strategy.progressed()
+        self.started = None
+
+    def ended(self, now: float, planned: bool = False) -> float:
+        """An attempt ended (preempted, lost, crashed): the next launch waits for the backoff (none
+        for a planned restart). Returns the delay."""
+        if planned:
+            delay = 0.0
+        else:
+            delay = self.strategy.ended() if self.strategy else self.limits.backoff_seconds
+        self.next_launch_at = now + delay
+        self.begin(now)
+        return delay
+
+    def retry_in(self, now: float, delay: float) -> None:
+        """A launch failed (no capacity, an API error): the next one waits ``delay`` seconds."""
+        self.next_launch_at = now + delay
+        self.begin(now)
+
+    def launch_refusal(self, session: list[dict], now: float) -> str | None:
+        """Why no further attempt may be launched (``max_attempts`` used up by failures, or a
+        preemption storm), else None."""
+        used = counted_attempts(session)
+        if used >= self.limits.max_attempts:
+            return (f"gave up after {used} failed launches or crashes, preemptions not counted "
+                    f"(recovery.max_attempts = {self.limits.max_attempts})")
+        return preemption_storm(session, now, self.limits.max_preemptions_per_hour)
+
+    def overdue(self, now: float) -> str | None:
+        """Why recovery has taken too long (no node running for ``max_recovery_minutes``), else None."""
+        lim = self.limits.max_recovery_minutes
+        if self.started is not None and now - self.started > lim * 60:
+            return (f"no node running for {(now - self.started) / 60:.1f} min "
+                    f"(recovery.max_recovery_minutes = {lim:g})")
+        return None
+
+    def restart_refusal(self, used: int) -> str | None:
+        """After the ``used``-th trainer failure: why no restart is left, else None."""
+        limit = self.limits.max_restarts_on_errors
+        if used > limit:
+            return f"{used} failures, recovery.max_restarts_on_errors = {limit}"
+        return None

@@ -13,7 +13,8 @@ import pytest
 
 from orchestrator.contract import runuri
 from orchestrator.run.clock import VirtualClock
-from orchestrator.run.controller import Controller, ControllerBusy
+from orchestrator.run.controller import Controller
+from orchestrator.run.startup import ControllerBusy
 from orchestrator.plan.spec import parse_spec
 from orchestrator.run.state import StateStore
 from providers.fake import FakeOfferTemplate, FakeProvider

@@ -18,7 +18,7 @@ import threading
 import pytest
 from test_controller_fake import OFFERS, SimTrainer, make_spec, running
 
-from orchestrator.run import controller as ctl
+from orchestrator.run import launchthread, teardown
 from orchestrator.run.clock import VirtualClock
 from orchestrator.run.controller import Controller
 from orchestrator.run.recovery import counted_attempts
@@ -370,7 +370,7 @@ def test_a_late_terminate_that_gives_up_after_the_run_is_swept_not_left_billing(
     # Review finding: the launch returned after the run was recorded CANCELLED and its late
     # terminate gave up: the orphan sweep had already run (in _finish), so the instance kept
     # billing with no warning.
-    monkeypatch.setattr(ctl, "ABANDON_TERMINATE_TRIES", 2)
+    monkeypatch.setattr(launchthread, "ABANDON_TERMINATE_TRIES", 2)
     cloud, store, events = _late_run(tmp_path, LateTerminateTroubleCloud, fail=2)
     assert cloud.running_instances() == [], events[-5:]
     assert any(t == "orphan" for t, _ in events), events[-5:]
@@ -380,7 +380,7 @@ def test_a_late_terminate_that_gives_up_after_the_run_is_swept_not_left_billing(
 def test_providers_stay_open_while_a_late_terminate_is_still_retried(tmp_path, monkeypatch):
     # Review finding: after the bounded wait the providers were closed (SkyPilot: its API server
     # stopped) under a terminate still in flight, with no word to the user.
-    monkeypatch.setattr(ctl, "ABANDON_CLOSE_WAIT_S", 0.2)
+    monkeypatch.setattr(teardown, "ABANDON_CLOSE_WAIT_S", 0.2)
     cloud, store, events = _late_run(tmp_path, LateTerminateTroubleCloud, slow=1.5)
     assert cloud.live_at_close == [], "closed under a terminate in flight"
     assert any(t == "warning" and "dtrun gc" in m for t, m in events), events[-5:]

@@ -14,7 +14,8 @@ import pytest
 
 from orchestrator.contract import runuri
 from orchestrator.run.clock import VirtualClock
-from orchestrator.run.controller import MAX_TICK_FAILURES, Controller, ControllerGaveUp
+from orchestrator.run.controller import Controller
+from orchestrator.run.loop import MAX_TICK_FAILURES, ControllerGaveUp
 from orchestrator.plan.spec import parse_spec
 from orchestrator.run.state import StateStore
 from providers.fake import FakeOfferTemplate, FakeProvider
