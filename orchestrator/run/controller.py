@@ -20,6 +20,7 @@ The parts, one concern each (they share one ``context.JobContext``):
   launch runs in a worker thread; the loop keeps ticking meanwhile);
 * ``ledger``       — spend booked, burn rate, abandoned launches;
 * ``observe``      — polls and run-URI reads → the typed view of an attempt;
+* ``outcome``      — how an attempt ended, from that view (pure);
 * ``watching``     — a live attempt each tick: observe, judge, act;
 * ``teardown``     — terminate (confirmed), cancel a launch in flight, adopt, stop, finish;
 * ``recovery``     — the failover strategy, recovery limits and backoff;
@@ -44,6 +45,7 @@ from orchestrator.run.launching import LAUNCH_WAIT_CAP_SECONDS, EndJob, Launcher
 from orchestrator.run.launchthread import LaunchInFlight, Launches
 from orchestrator.run.ledger import Ledger
 from orchestrator.run.observe import Observer
+from orchestrator.run.outcome import Outcome
 from orchestrator.run.recovery import Recovery
 from orchestrator.run.startup import ControllerBusy, check_start
 from orchestrator.run.state import HOST, TERMINAL_STATES, StateStore
@@ -227,7 +229,7 @@ class Controller:
         if att and att["state"] == "LAUNCHING" and not [n for n in live if n["attempt"] == att["n"]]:
             # Killed between "launch requested" and "node recorded": the instance, if it exists,
             # carries the attempt's name and the orphan sweep owns it.
-            self.store.update_attempt(self.name, att["n"], state="ENDED", outcome="unrecorded", ended_at=now,
+            self.store.update_attempt(self.name, att["n"], state="ENDED", outcome=Outcome.UNRECORDED.value, ended_at=now,
                                       reason="controller died while launching")
             if self.state in ("PROVISIONING", "RUNNING"):
                 self.recovery.started = now

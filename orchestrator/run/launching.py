@@ -28,6 +28,7 @@ from orchestrator.run.guard import Guard, attempt_price_per_hour
 from orchestrator.run.launchthread import LaunchInFlight, Launches
 from orchestrator.run.nodecreds import ON_THIS_MACHINE, node_storage
 from orchestrator.run.observe import Observer
+from orchestrator.run.outcome import Outcome
 from orchestrator.run.recovery import Recovery
 from orchestrator.run.state import dtrun_home
 from providers import errors as perr
@@ -60,7 +61,7 @@ class LaunchFailure:
     next offer at once or after a full round; ``backoff``: the same offer after backoff; ``drop``:
     drop the provider's offers; ``fail``: end the job), ``sweep`` (it may have created an instance)."""
 
-    outcome: str
+    outcome: Outcome
     retry: str
     reason: str
     sweep: bool = False
@@ -69,17 +70,17 @@ class LaunchFailure:
 def launch_failure(e: BaseException) -> LaunchFailure:
     """Map a launch's exception to what the controller does next (pure)."""
     if isinstance(e, (perr.NoCapacity, perr.QuotaExceeded)):
-        return LaunchFailure("no_capacity", "next_offer", f"{type(e).__name__}: {e}")
+        return LaunchFailure(Outcome.NO_CAPACITY, "next_offer", f"{type(e).__name__}: {e}")
     if isinstance(e, perr.Transient):
-        return LaunchFailure("launch_error", "backoff", f"transient: {e}", sweep=True)
+        return LaunchFailure(Outcome.LAUNCH_ERROR, "backoff", f"transient: {e}", sweep=True)
     if isinstance(e, perr.AuthError):
-        return LaunchFailure("refused", "drop", str(e))
+        return LaunchFailure(Outcome.REFUSED, "drop", str(e))
     if isinstance(e, perr.NotSupported):
-        return LaunchFailure("refused", "fail", str(e))
+        return LaunchFailure(Outcome.REFUSED, "fail", str(e))
     if isinstance(e, perr.ProviderError):  # an API error the provider did not classify: retry, bounded
-        return LaunchFailure("launch_error", "backoff", f"{type(e).__name__}: {e}", sweep=True)
+        return LaunchFailure(Outcome.LAUNCH_ERROR, "backoff", f"{type(e).__name__}: {e}", sweep=True)
     # a provider bug: like an unclassified API error
-    return LaunchFailure("launch_error", "backoff", describe_error(e), sweep=True)
+    return LaunchFailure(Outcome.LAUNCH_ERROR, "backoff", describe_error(e), sweep=True)
 
 
 class Launcher:
@@ -172,7 +173,7 @@ class Launcher:
             if f.sweep:
                 self.launches.sweep_due = True
             if f.retry in ("drop", "fail"):
-                store.update_attempt(ctx.name, n, state="ENDED", outcome=f.outcome, reason=f.reason,
+                store.update_attempt(ctx.name, n, state="ENDED", outcome=f.outcome.value, reason=f.reason,
                                      ended_at=ctx.now())
                 if f.retry == "fail":
                     return EndJob("finish", "FAILED", f"{offer.provider} refused: {f.reason}")
@@ -205,9 +206,10 @@ class Launcher:
         self.ctx.transition("RECOVERING", f"{reason}; next offer {nxt}")
         return None
 
-    def _failed(self, n: int, outcome: str, reason: str, delay: float) -> None:
+    def _failed(self, n: int, outcome: Outcome, reason: str, delay: float) -> None:
         now = self.ctx.now()
-        self.ctx.store.update_attempt(self.ctx.name, n, state="ENDED", outcome=outcome, reason=reason, ended_at=now)
+        self.ctx.store.update_attempt(self.ctx.name, n, state="ENDED", outcome=outcome.value, reason=reason,
+                                      ended_at=now)
         self.recovery.retry_in(now, delay)
         self.ctx.transition("RECOVERING", f"attempt {n}: {reason}" + (f"; retry in {delay:.0f} s" if delay else ""))
 

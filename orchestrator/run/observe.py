@@ -5,6 +5,11 @@ Everything the controller learns about a running attempt comes through here: eac
 node watchdog's ``watchdog.json``, the node records and logs under ``nodes/a<n>/``, the local
 provider's exit file, and what a provider says ended a node (``end_reason``, Modal's eviction).
 An unreachable store reads as "nothing there yet" (a warning at most), never as a crash.
+
+:meth:`Observer.view` gathers one tick's observations into an ``outcome.AttemptView``, the typed
+input of ``outcome.decide``. The run-URI files an ended attempt is judged by (node records,
+their logs, ``watchdog.json``, the exit file, the providers' end reasons, the log tail) are read
+only once a node has ended.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from pathlib import Path
 
 from orchestrator.contract import runuri
 from orchestrator.run.context import JobContext
+from orchestrator.run.outcome import AttemptView, NodeRecord
 from providers import errors as perr
 from providers.base import Handle, NodeState
 
@@ -80,6 +86,25 @@ class Observer:
             return runuri.node_records(self.ctx.run_uri, n)
         except OSError:
             return None
+
+    def records(self, n: int) -> tuple[NodeRecord, ...]:
+        """Attempt ``n``'s node records, typed."""
+        return tuple(NodeRecord.from_dict(r) for r in self.node_records(n) or [])
+
+    # ---- the typed view --------------------------------------------------------------------------
+    def view(self, att: dict, nodes: list[dict], states: list[NodeState], *, done: bool,
+             silent_s: float | None = None, phase: str | None = None) -> AttemptView:
+        """What this tick saw of attempt ``att`` (its live ``nodes``, their ``states``)."""
+        n = att["n"]
+        base = dict(n=n, nnodes=self.ctx.spec.resources.nodes, states=tuple(states), done=done, silent_s=silent_s,
+                    heartbeat_timeout=self.ctx.spec.recovery.heartbeat_timeout_seconds, phase=phase)
+        if done or not any(s.is_terminal for s in states):
+            return AttemptView(**base)
+        records = self.records(n)
+        code = self.exit_file_code(att)
+        failed = NodeState.FAILED in states
+        return AttemptView(**base, records=records, exit_code=code, watchdog=self.watchdog_reason(att),
+                           end_reason=self.end_reasons(nodes), log_tail=self.log_tail(nodes) if failed else "")
 
     # ---- the providers ---------------------------------------------------------------------------
     def poll_nodes(self, nodes: list[dict]) -> dict[int, NodeState] | None:

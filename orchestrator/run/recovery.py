@@ -43,14 +43,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.run.outcome import NOT_COUNTED, Outcome
 from providers.base import Offer
 
 MAX_BACKOFF_SECONDS = 300.0
-PREEMPTION_OUTCOMES = frozenset({"preempted", "planned_restart"})
-"""Attempt outcomes that are preemptions (the storm limit counts "preempted")."""
-NOT_COUNTED_OUTCOMES = PREEMPTION_OUTCOMES | {"unrecorded"}
-"""Attempt outcomes that are not the job's failures: they do not count toward
-``recovery.max_attempts`` (preemptions, planned restarts, a controller killed mid-launch)."""
 STORM_WINDOW_SECONDS = 3600.0
 
 
@@ -58,7 +54,7 @@ def counted_attempts(attempts: list[dict]) -> int:
     """Attempts that count toward ``recovery.max_attempts``: every ended attempt whose outcome is
     not a preemption nor a controller crash mid-launch (failed launches, crashes, lost nodes,
     refusals)."""
-    return sum(1 for a in attempts if a.get("outcome") and a["outcome"] not in NOT_COUNTED_OUTCOMES)
+    return sum(1 for a in attempts if a.get("outcome") and a["outcome"] not in NOT_COUNTED)
 
 
 def preemption_storm(attempts: list[dict], now: float, limit: float | None,
@@ -67,7 +63,7 @@ def preemption_storm(attempts: list[dict], now: float, limit: float | None,
     ``window_s`` before ``now``), else None. ``limit`` None: no rate limit."""
     if limit is None:
         return None
-    recent = [a for a in attempts if a.get("outcome") == "preempted"
+    recent = [a for a in attempts if a.get("outcome") == Outcome.PREEMPTED
               and a.get("ended_at") is not None and a["ended_at"] >= now - window_s]
     if len(recent) > limit:
         return (f"preemption storm: {len(recent)} preemptions within the last {window_s / 60:.0f} min "

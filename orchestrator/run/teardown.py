@@ -31,6 +31,7 @@ from orchestrator.run.guard import Guard
 from orchestrator.run.launchthread import LaunchInFlight, Launches
 from orchestrator.run.ledger import Ledger
 from orchestrator.run.observe import Observer
+from orchestrator.run.outcome import FINAL, Outcome
 from orchestrator.run.state import TERMINAL_STATES
 from providers import errors as perr
 from providers.base import Handle, NodeState
@@ -112,7 +113,7 @@ class Teardown:
             if inf.handle is not None and inf.handle.instance_id not in inf.adopted:
                 self.adopt(inf, inf.handle)
             else:
-                ctx.end_attempt(inf.n, "cancelled", "cancelled while launching"
+                ctx.end_attempt(inf.n, Outcome.CANCELLED, "cancelled while launching"
                                 + (f" ({describe_error(inf.error)})" if inf.error else ""))
             return True
         try:
@@ -134,7 +135,7 @@ class Teardown:
                                  f"{now - inf.cancelled_at:.0f} s; no longer waiting (what it returns is "
                                  f"terminated off the loop; the orphan sweep runs)")
             if not inf.adopted:
-                ctx.end_attempt(inf.n, "abandoned", "cancelled while launching; the launch was abandoned "
+                ctx.end_attempt(inf.n, Outcome.ABANDONED, "cancelled while launching; the launch was abandoned "
                                 "(its provisioning is booked from the request: an upper bound)")
             return True
         return False
@@ -251,7 +252,7 @@ class Teardown:
 
     def fail_now(self, n: int, reason: str, tail: str) -> None:
         """Attempt ``n`` failed for good: FAILED with the nodes' last log lines, no relaunch."""
-        self.ctx.end_attempt(n, "failed", reason)
+        self.ctx.end_attempt(n, Outcome.FAILED, reason)
         tail = tail.strip("\n")
         full = reason + (f"; last trainer log lines:\n{tail}" if tail.strip()
                          else "; the node left no trainer log lines (nothing was read from its log)")
@@ -307,8 +308,7 @@ class Teardown:
         now = ctx.now()
         att = ctx.current_attempt()
         if att and att["state"] != "ENDED":
-            ctx.end_attempt(att["n"], {"SUCCEEDED": "succeeded", "CANCELLED": "cancelled",
-                                       "OVER_BUDGET": "over_budget"}.get(target, "failed"), reason or target)
+            ctx.end_attempt(att["n"], FINAL.get(target, Outcome.FAILED), reason or target)
         self.ledger.book(now)
         if target == "SUCCEEDED":
             done = self.observer.done() or {}
