@@ -19,7 +19,7 @@ from pathlib import Path
 
 from orchestrator.contract import runuri
 from orchestrator.run.context import JobContext
-from orchestrator.run.outcome import AttemptView, NodeRecord
+from orchestrator.run.outcome import AttemptView, NodeRecord, node_message
 from providers import errors as perr
 from providers.base import Handle, NodeState
 
@@ -87,9 +87,22 @@ class Observer:
         except OSError:
             return None
 
+    def node_log(self, n: int, rank: int) -> str:
+        """Node ``rank``'s output in the run URI (``nodes/a<n>/node-<rank>.log``), '' if none."""
+        try:
+            return runuri.read_text(runuri.node_uri(self.ctx.run_uri, n, rank, "log")) or ""
+        except OSError:
+            return ""
+
     def records(self, n: int) -> tuple[NodeRecord, ...]:
-        """Attempt ``n``'s node records, typed."""
-        return tuple(NodeRecord.from_dict(r) for r in self.node_records(n) or [])
+        """Attempt ``n``'s node records, typed; a node that exited 2 with what it said."""
+        out = []
+        for r in self.node_records(n) or []:
+            rec = NodeRecord.from_dict(r)
+            if rec.exited and rec.exit_code == runuri.EXIT_BAD_CONFIG:
+                rec = NodeRecord.from_dict(r, node_message(self.node_log(n, rec.rank)))
+            out.append(rec)
+        return tuple(out)
 
     # ---- the typed view --------------------------------------------------------------------------
     def view(self, att: dict, nodes: list[dict], states: list[NodeState], *, done: bool,
@@ -102,7 +115,8 @@ class Observer:
             return AttemptView(**base)
         records = self.records(n)
         code = self.exit_file_code(att)
-        failed = NodeState.FAILED in states
+        failed = NodeState.FAILED in states or code == runuri.EXIT_BAD_CONFIG or any(
+            r.exit_code == runuri.EXIT_BAD_CONFIG for r in records)
         return AttemptView(**base, records=records, exit_code=code, watchdog=self.watchdog_reason(att),
                            end_reason=self.end_reasons(nodes), log_tail=self.log_tail(nodes) if failed else "")
 

@@ -14,7 +14,8 @@ The rules, in order:
 1. DONE in the run URI → SUCCEEDED (stop, tear down).
 2. no node ended: every node RUNNING but no heartbeat for longer than the timeout → LOST;
    otherwise still running (None).
-3. a node FAILED and the exit file says 2 (``EXIT_BAD_CONFIG``) → FAILED at once, no relaunch.
+3. a node exited 2 (``EXIT_BAD_CONFIG``: its node record, or the provider's exit file) → FAILED
+   at once, the node's own message in the reason, no relaunch — on every provider.
 4. several nodes, the cluster FAILED, one node silent and a survivor exited 75 → PREEMPTED (a lost
    node, not the trainer's failure).
 5. a node FAILED → FAILED, a counted restart (``recovery.max_restarts_on_errors``).
@@ -83,12 +84,14 @@ class NodeRecord:
     state: str = "STARTING"
     """STARTING, RUNNING or EXITED."""
     exit_code: int | None = None
+    message: str | None = None
+    """What the node said when it exited 2 (from its log in the run URI), if anything."""
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "NodeRecord":
+    def from_dict(cls, d: dict[str, Any], message: str | None = None) -> "NodeRecord":
         code = d.get("exit_code")
         return cls(rank=int(d.get("rank") or 0), state=str(d.get("state") or "STARTING"),
-                   exit_code=code if isinstance(code, int) else None)
+                   exit_code=code if isinstance(code, int) else None, message=message)
 
     @property
     def exited(self) -> bool:
@@ -143,11 +146,39 @@ class Ending:
     """Record the attempt ended now (False: the stop's finish records it, e.g. on DONE)."""
 
 
+TRAINER_ERROR = "dtrun trainer: error:"
+_BOOT = "[dtrun-node"
+_BOOT_STATUS = ("trainer exited", "self-terminate", "exec:", "got signal", "node report:")
+MESSAGE_LIMIT = 600
+
+
+def node_message(log: str) -> str | None:
+    """The line in which a node said why it rejected its configuration: the trainer's own error
+    line (``dtrun trainer: error: …``), else the bootstrap's last line before it exited (a bad
+    node environment, network or job file), without its ``[dtrun-node hh:mm:ss]`` prefix."""
+    lines = [ln.strip() for ln in (log or "").splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if TRAINER_ERROR in ln:
+            return ln[ln.index(TRAINER_ERROR):][:MESSAGE_LIMIT]
+    for ln in reversed(lines):
+        if ln.startswith(_BOOT):
+            text = ln.split("]", 1)[1].strip() if "]" in ln else ln
+            if text and not text.startswith(_BOOT_STATUS):
+                return text[:MESSAGE_LIMIT]
+    return None
+
+
 def bad_config(v: AttemptView) -> str | None:
-    """Why the attempt is a rejected configuration (the exit file says 2), else None."""
-    if v.exit_code != EXIT_BAD_CONFIG:
+    """Why the attempt is a rejected configuration (a node exited 2), in the node's words; None if
+    no node did."""
+    bad = [r for r in v.records if r.exited and r.exit_code == EXIT_BAD_CONFIG]
+    if not bad and v.exit_code != EXIT_BAD_CONFIG:
         return None
-    return f"attempt {v.n}: the trainer rejected its configuration (exit 2); not retried"
+    said = next((r for r in bad if r.message), None)
+    msg = said.message if said else node_message(v.log_tail)
+    where = f" on node {(said or bad[0]).rank}" if (said or bad) and v.nnodes > 1 else ""
+    return (f"attempt {v.n}: the trainer rejected its configuration (exit 2{where})"
+            + (f": {msg}" if msg else "") + "; not retried")
 
 
 def node_lost(v: AttemptView) -> str | None:
@@ -186,11 +217,11 @@ def decide(v: AttemptView) -> Ending | None:
                                                       f"(recovery.heartbeat_timeout_seconds = "
                                                       f"{v.heartbeat_timeout:g}{phase})")
         return None
+    why = bad_config(v)
+    if why:
+        return Ending(Outcome.FAILED, Next.FAIL, why, target="FAILED")
     wd = v.watchdog
     if NodeState.FAILED in ended:
-        why = bad_config(v)
-        if why:
-            return Ending(Outcome.FAILED, Next.FAIL, why, target="FAILED")
         lost = node_lost(v) if wd is None else None
         if lost:
             return Ending(Outcome.PREEMPTED, Next.RECOVER, f"attempt {n}: preempted: {lost}")

@@ -7,16 +7,18 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.run.outcome import (
-    NOT_COUNTED, PREEMPTIONS, AttemptView, Next, NodeRecord, Outcome, decide,
+    NOT_COUNTED, PREEMPTIONS, AttemptView, Next, NodeRecord, Outcome, decide, node_message,
 )
 from orchestrator.run.recovery import counted_attempts
 from providers.base import NodeState as S
 
 R, P, F, OK, T, Q = S.RUNNING, S.PREEMPTED, S.FAILED, S.SUCCEEDED, S.TERMINATED, S.PENDING
+CUDA = ("dtrun trainer: error: resources.gpu is H100 but CUDA is not usable (torch 2.13.0, built for CUDA 12.8): "
+        "no GPU visible")
 
 
-def exited(rank, code):
-    return NodeRecord(rank=rank, state="EXITED", exit_code=code)
+def exited(rank, code, message=None):
+    return NodeRecord(rank=rank, state="EXITED", exit_code=code, message=message)
 
 
 CASES = [
@@ -33,6 +35,19 @@ CASES = [
                                       "trainer phase compile)"),
     ("exit-2-in-the-exit-file", AttemptView(1, states=(F,), exit_code=2), Outcome.FAILED, Next.FAIL, "FAILED",
      "rejected its configuration (exit 2); not retried"),
+    ("exit-2-in-the-node-record-only", AttemptView(1, states=(F,), records=(exited(0, 2, CUDA),)),
+     Outcome.FAILED, Next.FAIL, "FAILED", "CUDA is not usable"),
+    ("exit-2-message-from-the-log-tail", AttemptView(1, states=(F,), records=(exited(0, 2),),
+                                                     log_tail=f"[dtrun-node 10:00:00] exec: torchrun\n{CUDA}\n"
+                                                              "[dtrun-node 10:00:09] trainer exited 2"),
+     Outcome.FAILED, Next.FAIL, "FAILED", "CUDA is not usable"),
+    ("exit-2-though-the-provider-says-gone", AttemptView(1, states=(P,), records=(exited(0, 2, CUDA),)),
+     Outcome.FAILED, Next.FAIL, "FAILED", "exit 2"),
+    ("exit-2-on-one-of-two-nodes-at-once", AttemptView(1, nnodes=2, states=(F, R),
+                                                       records=(exited(1, 2, "bad node network: no such iface"),)),
+     Outcome.FAILED, Next.FAIL, "FAILED", "exit 2 on node 1): bad node network"),
+    ("a-record-still-running-is-no-exit", AttemptView(1, states=(F,), records=(NodeRecord(0, "RUNNING", 2),)),
+     Outcome.FAILED, Next.RETRY_ERROR, None, "the trainer failed"),
     ("trainer-failed", AttemptView(1, states=(F,), exit_code=1), Outcome.FAILED, Next.RETRY_ERROR, None,
      "the trainer failed"),
     ("trainer-failed-no-code", AttemptView(1, states=(F,)), Outcome.FAILED, Next.RETRY_ERROR, None, "trainer failed"),
@@ -92,3 +107,15 @@ def test_outcomes_are_the_strings_the_state_store_always_held():
     # rows read back from an existing database are plain strings
     assert counted_attempts([{"outcome": "preempted"}, {"outcome": "failed"}, {"outcome": "unrecorded"},
                              {"outcome": "no_capacity"}, {"outcome": None}]) == 2
+
+
+@pytest.mark.parametrize("log,said", [
+    (f"[dtrun-node 10:00:00] exec: torchrun ...\nINFO step\n{CUDA}\nERROR:torch...failed (exitcode: 2)\n"
+     "[dtrun-node 10:00:05] trainer exited 2", CUDA),
+    ("[dtrun-node 10:00:00] job j attempt 1 node 0/2\n[dtrun-node 10:00:01] bad node network: no route\n"
+     "[dtrun-node 10:00:02] self-terminate (try 1/3)", "bad node network: no route"),
+    ("[dtrun-node 10:00:00] trainer exited 2", None),
+    ("", None),
+])
+def test_node_message_is_the_nodes_own_line(log, said):
+    assert node_message(log) == said
