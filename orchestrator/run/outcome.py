@@ -29,6 +29,7 @@ The rules, in order:
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,23 +149,26 @@ class Ending:
 
 TRAINER_ERROR = "dtrun trainer: error:"
 _BOOT = "[dtrun-node"
-_BOOT_STATUS = ("trainer exited", "self-terminate", "exec:", "got signal", "node report:")
+_BOOT_STATUS = ("trainer exited", "self-terminate", "got signal", "node report:", "multi-node network:")
+_BANNER = re.compile(r"job \S+ attempt \d+ node \d+/\d+")
 MESSAGE_LIMIT = 600
 
 
 def node_message(log: str) -> str | None:
     """The line in which a node said why it rejected its configuration: the trainer's own error
-    line (``dtrun trainer: error: …``), else the bootstrap's last line before it exited (a bad
-    node environment, network or job file), without its ``[dtrun-node hh:mm:ss]`` prefix."""
+    line (``dtrun trainer: error: …``); else, when the bootstrap stopped before it started the
+    trainer (a bad node environment, network or job file), the bootstrap's last line without its
+    ``[dtrun-node hh:mm:ss]`` prefix. None when neither said anything dtrun knows to quote."""
     lines = [ln.strip() for ln in (log or "").splitlines() if ln.strip()]
     for ln in reversed(lines):
         if TRAINER_ERROR in ln:
             return ln[ln.index(TRAINER_ERROR):][:MESSAGE_LIMIT]
-    for ln in reversed(lines):
-        if ln.startswith(_BOOT):
-            text = ln.split("]", 1)[1].strip() if "]" in ln else ln
-            if text and not text.startswith(_BOOT_STATUS):
-                return text[:MESSAGE_LIMIT]
+    boot = [ln.split("]", 1)[1].strip() for ln in lines if ln.startswith(_BOOT) and "]" in ln]
+    if any(t.startswith("exec:") for t in boot):
+        return None  # the trainer (or the job's own command) ran: its words are in the log tail
+    for text in reversed(boot):
+        if text and not text.startswith(_BOOT_STATUS) and not _BANNER.match(text):
+            return text[:MESSAGE_LIMIT]
     return None
 
 

@@ -87,3 +87,18 @@ def test_other_exits_from_the_node_record_keep_their_meaning(tmp_path, dtrun_hom
         assert "recovery.max_restarts_on_errors = 2" in store.get_job("fakejob")["reason"]
     else:
         assert atts[0]["outcome"] == "preempted" and len(atts) > 1
+
+
+@pytest.mark.slow  # real torchrun, the real trainer, the local provider
+@pytest.mark.timeout(300)
+def test_the_real_trainer_rejecting_its_data_on_a_local_node_fails_once_in_its_own_words(dtrun_home, tmp_path):
+    from test_e2e_local_torchrun import job, run
+
+    (tmp_path / "shards").mkdir()  # a data folder without a token shard: the trainer says so, exit 2
+    d = job(f"file://{tmp_path}/run", "nodata", steps=20)
+    d["trainer"]["data"] = str(tmp_path / "shards")
+    ctl, _ = run(d)
+    assert ctl.state == "FAILED"
+    assert len(ctl.store.attempts("nodata")) == 1
+    first = ctl.job()["reason"].splitlines()[0]
+    assert "rejected its configuration (exit 2)" in first and "no .bin or .npy token shards" in first, first

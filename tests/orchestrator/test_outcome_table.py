@@ -115,6 +115,10 @@ def test_outcomes_are_the_strings_the_state_store_always_held():
     ("[dtrun-node 10:00:00] job j attempt 1 node 0/2\n[dtrun-node 10:00:01] bad node network: no route\n"
      "[dtrun-node 10:00:02] self-terminate (try 1/3)", "bad node network: no route"),
     ("[dtrun-node 10:00:00] trainer exited 2", None),
+    ("[dtrun-node 10:00:00] job j attempt 1 node 0/1 ip 10.0.0.2 nproc 2 run s3://b/j\n"
+     "[dtrun-node 10:00:01] exec: python infra/torchrun_launch.py ...\n[dtrun-node 10:00:05] trainer exited 2", None),
+    ("[dtrun-node 10:00:00] job j attempt 1 node 0/1 ip 10.0.0.2 nproc 2 run s3://b/j\n"
+     "[dtrun-node 10:00:01] s3://b/j/job.yaml: not found\n", "s3://b/j/job.yaml: not found"),
     ("", None),
 ])
 def test_node_message_is_the_nodes_own_line(log, said):
