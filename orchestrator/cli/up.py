@@ -100,7 +100,8 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
     from orchestrator.run import prepare, uricheck
     from orchestrator.run.datacheck import check_data_vocab
     from orchestrator.run.nodecreds import node_storage
-    from orchestrator.run.state import TERMINAL_STATES, StateStore, dtrun_home
+    from orchestrator.run.startup import ControllerBusy, check_start
+    from orchestrator.run.state import StateStore, dtrun_home
 
     written = load_spec(job)
     uricheck.check_offline(written, str(job))  # exit 6 before any network or spend
@@ -132,13 +133,20 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
 
     store = StateStore()
     check_recorded_run_uri(store, spec, new_run_uri)
-    existing = store.get_job(spec.name)
-    if existing and StateStore.controller_alive(existing):
-        _err(f"{spec.name} is already running under controller pid {existing['controller_pid']}; "
-             f"see `dtrun status {spec.name}`, `dtrun logs {spec.name} -f`, or stop it with `dtrun down {spec.name}`")
+    # The controller's own start-up checks (another live controller, DONE already there; a job
+    # still active is continued), before anything is confirmed or rented.
+    try:
+        start = check_start(spec, plan, store)
+    except ControllerBusy:
+        pid = (store.get_job(spec.name) or {}).get("controller_pid")
+        _err(f"{spec.name} is already running under controller pid {pid}; see `dtrun status {spec.name}`, "
+             f"`dtrun logs {spec.name} -f`, or stop it with `dtrun down {spec.name}`")
         return EXIT_INVALID
-    continuing = existing is not None and existing["state"] not in TERMINAL_STATES
-    if not continuing and runuri.exists(runuri.join(spec.run_uri, runuri.DONE)):
+    existing, continuing = start.job, start.reattach
+    if start.uri_error is not None:
+        e = start.uri_error
+        raise uricheck.UriRefused(f"the run URI {spec.run_uri} cannot be used: {type(e).__name__}: {e}; nothing rented")
+    if start.done:
         print(f"{spec.name} already finished: {spec.run_uri} has DONE (remove it to train again); nothing rented",
               file=out)
         if json_out:

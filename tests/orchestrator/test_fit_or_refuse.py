@@ -107,6 +107,7 @@ def test_up_refuses_and_rents_nothing_then_force_rents_with_a_warning(capsys, tm
     monkeypatch.setattr(jobs, "check_run_uri_reachable", lambda *a: None)
     monkeypatch.setattr(jobs, "_check_credentials", lambda p: None)
     monkeypatch.setattr("orchestrator.run.nodecreds.node_storage", lambda spec, p: ({}, {}))
+    monkeypatch.setattr("orchestrator.run.startup.node_storage", lambda spec, p: ({}, {}))  # check_start's copy
     monkeypatch.setattr("orchestrator.run.preflight.maybe_preflight", lambda spec: None)
     monkeypatch.setattr("orchestrator.run.uricheck.check_online", lambda spec, source: None)
     monkeypatch.setattr("orchestrator.contract.runuri.exists", lambda uri: False)
