@@ -120,7 +120,7 @@ def test_remote_nodes_get_a_bootstrap_command_that_exists_on_the_node(tmp_path):
     import sys
     from pathlib import Path
 
-    from orchestrator.run.controller import REPO_ROOT
+    from orchestrator.run.launching import REPO_ROOT
     from orchestrator.plan.spec import parse_spec
     from providers.base import Offer
     from providers.skypilot import build_task_config
@@ -131,13 +131,13 @@ def test_remote_nodes_get_a_bootstrap_command_that_exists_on_the_node(tmp_path):
                        "checkpoint": {"uri": "s3://bucket/runs/remote"}, "budget": {"max_usd": 500}})
     c = Controller(spec, StateStore(tmp_path / "s.db"), clock=VirtualClock(), providers={})
     for prov in ("runpod", "modal"):
-        req = c._launch_request(1, Offer(prov, "any", "H100", 8, False, 2.89), "x.log", 0.0, None)
+        req = c.launcher.request(1, Offer(prov, "any", "H100", 8, False, 2.89), "x.log", 0.0, None)
         assert req.command == ["python", "infra/node_bootstrap.py"], req.command
         assert (Path(req.workdir) / req.command[1]).is_file()
-    run = build_task_config("runpod", c._launch_request(1, Offer("runpod", "any", "H100", 8, False, 2.89),
+    run = build_task_config("runpod", c.launcher.request(1, Offer("runpod", "any", "H100", 8, False, 2.89),
                                                         "x.log", 0.0, None))["run"]
     assert str(REPO_ROOT) not in run and sys.executable not in run
-    local = c._launch_request(1, Offer("local", "local", "cpu", 2, False, 0.0), "x.log", 0.0, None)
+    local = c.launcher.request(1, Offer("local", "local", "cpu", 2, False, 0.0), "x.log", 0.0, None)
     assert local.command[0] == sys.executable and Path(local.command[1]).is_file()
 
 

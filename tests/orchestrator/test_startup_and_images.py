@@ -108,7 +108,7 @@ def _controller_request(tmp_path, provider, **res):
                     "checkpoint": {"uri": f"file://{tmp_path}/run", "every_steps": 400}})
     c = Controller(s, StateStore(tmp_path / "s.db"))
     offer = Offer(provider, "any", "H100", 8, provider in ("runpod", "vast"), 2.0)
-    return c._launch_request(1, offer, str(tmp_path / "log"), 0.0, None)
+    return c.launcher.request(1, offer, str(tmp_path / "log"), 0.0, None)
 
 
 @pytest.mark.parametrize("provider,image", [("runpod", DEFAULT_NODE_IMAGE), ("vast", DEFAULT_NODE_IMAGE),

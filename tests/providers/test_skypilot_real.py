@@ -458,7 +458,7 @@ def test_no_capacity_in_every_region_is_one_attempt_then_the_next_provider(sky_o
         "checkpoint": {"uri": f"file://{tmp_path}/run", "preflight": False}, "budget": {"max_usd": 1000},
         "recovery": {"poll_seconds": 30}})
     provs = {c: SkyPilotProvider(c) for c in ("runpod", "lambda")}
-    monkeypatch.setattr("orchestrator.run.controller.ON_THIS_MACHINE", ("local", "fake", "runpod", "lambda"))
+    monkeypatch.setattr("orchestrator.run.launching.ON_THIS_MACHINE", ("local", "fake", "runpod", "lambda"))
     c = Controller(spec, StateStore(tmp_path / "s.db"), clock=VirtualClock(), providers=provs, write_lease=False)
     c.start()
     for _ in range(4):
@@ -513,7 +513,7 @@ def test_dtrun_down_during_a_skypilot_launch_takes_the_cluster_down(sky_offline,
         "trainer": {"model": "tiny", "steps": 10, "batch_size": 8, "seq_len": 64},
         "checkpoint": {"uri": f"file://{tmp_path}/run", "preflight": False}, "budget": {"max_usd": 1000},
         "recovery": {"poll_seconds": 30}})
-    monkeypatch.setattr("orchestrator.run.controller.ON_THIS_MACHINE", ("local", "fake", "lambda"))
+    monkeypatch.setattr("orchestrator.run.launching.ON_THIS_MACHINE", ("local", "fake", "lambda"))
     store = StateStore(tmp_path / "s.db")
     c = Controller(spec, store, clock=VirtualClock(), providers={"lambda": SkyPilotProvider("lambda")},
                    write_lease=False, launch_wait_seconds=0.05)
