@@ -95,12 +95,12 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
     from orchestrator.cli.detached import spawn
     from orchestrator.cli.jobs import _ask, _err, _tty_in, job_status
     from orchestrator.contract import runuri
-    from orchestrator.contract.errors import EXIT_INTERRUPTED, ProviderRefused
+    from orchestrator.contract.errors import EXIT_INTERRUPTED
     from orchestrator.plan.spec import load_spec
     from orchestrator.run import prepare, uricheck
     from orchestrator.run.datacheck import check_data_vocab
     from orchestrator.run.nodecreds import node_storage
-    from orchestrator.run.startup import ControllerBusy, check_start
+    from orchestrator.run.startup import ControllerBusy, check_start, require_usable_provider
     from orchestrator.run.state import StateStore, dtrun_home
 
     written = load_spec(job)
@@ -111,10 +111,9 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
     # interval); the report judges the spec as written (what auto was allowed to change).
     p = prepare.prepare(written, spec_path=str(Path(job).resolve()))
     spec, plan = p.spec, p.plan
-    if plan.chosen is None and plan.unusable:
-        # Every offer is on a provider whose credentials are missing: exit 5 before any spend,
-        # naming the file to write (SkyPilot reads ~/.runpod/config.toml, not RUNPOD_API_KEY).
-        raise ProviderRefused("; ".join(plan.unusable.values()) + "; nothing rented")
+    # Every offer on a provider whose credentials are missing: exit 5 before any spend, naming
+    # the file to write (SkyPilot reads ~/.runpod/config.toml, not RUNPOD_API_KEY).
+    require_usable_provider(plan)
     report = plan_report(written, plan)
     code = verdict_exit_code(written, plan, report, strict, force)
     out = sys.stderr if json_out else sys.stdout

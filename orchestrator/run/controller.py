@@ -211,11 +211,14 @@ class Controller:
     def _ensure_plan(self) -> None:
         if self.plan is not None:
             return
-        from orchestrator.plan.estimate import make_plan
+        # No plan handed in (`dtrun up` always hands one in): the prepare step `dtrun up` uses,
+        # on the layout the nodes run — auto's degrees first (DoesNotFit, exit 4, when nothing
+        # fits), then the offers and the interval — and an event saying so.
+        from orchestrator.run.prepare import prepare, summary
 
-        # Only providers whose credentials are in place (the others are refused with what to
-        # set); with none left, start() refuses the job before anything is rented.
-        self.plan = make_plan(self.spec, usable_only=True, get=self.provider)
+        p = prepare(self._resolve_auto(self.spec), spec_path=self.spec_path, get=self.provider)
+        self.spec, self.plan = p.spec, p.plan
+        self.event("plan", f"no plan handed in: planned on the resolved spec: {summary(p)}")
 
     def _reattach(self) -> None:
         att = self.current_attempt()

@@ -42,6 +42,13 @@ class StartCheck:
     """A new run whose run URI could not be read (the caller ends the job and says why, exit 6)."""
 
 
+def require_usable_provider(plan: Any) -> None:
+    """Check 2 alone (``dtrun up`` makes it before it prints the plan): when every offer is on a
+    provider without credentials, ``ProviderRefused`` (exit 5) naming what to set; nothing rented."""
+    if getattr(plan, "chosen", None) is None and getattr(plan, "unusable", None):
+        raise ProviderRefused("; ".join(plan.unusable.values()) + "; nothing rented")
+
+
 def check_start(spec: Any, plan: Any, store: StateStore, pid: int | None = None) -> StartCheck:
     """Run the start-up checks for ``spec`` with ``plan`` (``orchestrator.plan.estimate.Plan``)
     against ``store``; ``pid`` is the caller's process (default this one), which may own the job
@@ -55,10 +62,8 @@ def check_start(spec: Any, plan: Any, store: StateStore, pid: int | None = None)
     reattach = job is not None and job["state"] in ACTIVE_STATES
     if reattach:
         return StartCheck(job, True)
+    require_usable_provider(plan)
     chosen = getattr(plan, "chosen", None)
-    if chosen is None and getattr(plan, "unusable", None):
-        # Offers exist only on providers without credentials: exit 5, nothing rented.
-        raise ProviderRefused("; ".join(plan.unusable.values()) + "; nothing rented")
     if chosen is not None:
         # A remote node needs the object store's credentials: refuse (exit 5) naming what to set.
         node_storage(spec, chosen.provider)
