@@ -10,6 +10,7 @@ imports nothing heavy.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -139,14 +140,16 @@ class JobSpec(_Model):
 # ---- loading with messages that name the field and the YAML line ----------------------------
 
 def _yaml_line(node: Any, loc: tuple[Any, ...]) -> int | None:
-    """1-based YAML line of the node at ``loc`` (or its deepest existing parent)."""
+    """1-based YAML line of the node at ``loc`` (or its deepest existing parent): a key's own
+    line (``trainer:``, not its first field's, when the error is about the section)."""
     import yaml
 
     line = None
     for key in loc:
         if node is None:
             break
-        line = node.start_mark.line + 1
+        if line is None:
+            line = node.start_mark.line + 1
         nxt = None
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
@@ -156,10 +159,11 @@ def _yaml_line(node: Any, loc: tuple[Any, ...]) -> int | None:
                     break
         elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
             nxt = node.value[key]
+            line = nxt.start_mark.line + 1
         if nxt is None:
             return line
         node = nxt
-    if node is not None:
+    if node is not None and (line is None or not isinstance(node, (yaml.MappingNode, yaml.SequenceNode))):
         line = node.start_mark.line + 1
     return line
 
@@ -174,20 +178,58 @@ def _clean_loc(loc: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+_FIELD_PATH = re.compile(r"\b(?:resources|trainer|command|checkpoint|budget|teardown|recovery)(?:\.[a-z_]+)+")
+
+
+def _in_yaml(root: Any, path: tuple[str, ...]) -> bool:
+    import yaml
+
+    node = root
+    for key in path:
+        if not isinstance(node, yaml.MappingNode):
+            return False
+        node = next((v for k, v in node.value if k.value == key), None)
+        if node is None:
+            return False
+    return True
+
+
+def _named_field(msg: str, loc: tuple[Any, ...], root: Any) -> tuple[str, ...] | None:
+    """The field a cross-field message names (``trainer.parallel.tp (2) must divide …``, raised by
+    a validator of the whole spec or of a section, so pydantic's location is that spec or
+    section), when it lies below ``loc``: the line to point at is that field's — or its deepest
+    part the file gives (a default the file leaves out has no line), if deeper than ``loc``."""
+    want = tuple(str(x) for x in loc)
+    if root is None:
+        return None
+    for m in _FIELD_PATH.finditer(msg):
+        parts = tuple(m.group(0).split("."))
+        if parts[:len(want)] != want:
+            continue
+        while len(parts) > len(want) and not _in_yaml(root, parts):
+            parts = parts[:-1]
+        if len(parts) > len(want):
+            return parts
+    return None
+
+
 def format_validation_error(err: ValidationError, source: str, root: Any = None) -> str:
-    """One message: the first error's field path and line (others counted), naming the file."""
+    """One message: the first error's field path and line (others counted), naming the file.
+    A cross-field error names the field it is about; that field's line is given."""
     errors = err.errors(include_url=False)
     # Prefer the most specific error of a union (the deepest path).
     errors.sort(key=lambda e: -len(_clean_loc(e["loc"])))
     first = errors[0]
     loc = _clean_loc(first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    named = _named_field(msg, loc, root) if first["type"] == "value_error" else None
+    if named is not None:
+        loc = named
     path = ".".join(str(p) for p in loc) or "(top level)"
-    msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key (check the spelling; `dtrun schema` lists the fields)"
     elif first["type"] == "missing":
         msg = "required field is missing"
-    msg = msg.removeprefix("Value error, ")
     bad = first.get("input")
     if first["type"] not in ("extra_forbidden", "missing") and isinstance(bad, (str, int, float, bool)) \
             and repr(bad) not in msg and str(bad) not in msg:
@@ -199,6 +241,8 @@ def format_validation_error(err: ValidationError, source: str, root: Any = None)
             where = f"{source}:{line}"
     more = len({tuple(_clean_loc(e['loc'])) for e in errors}) - 1
     suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more > 0 else ""
+    if named is not None and msg.startswith(path):
+        return f"{where}: {msg}{suffix}"  # (the message opens with the field's path already)
     return f"{where}: {path}: {msg}{suffix}"
 
 
@@ -210,6 +254,62 @@ def parse_spec(data: Any, source: str = "<job>", root: Any = None) -> JobSpec:
         return JobSpec.model_validate(data)
     except ValidationError as e:
         raise SpecError(format_validation_error(e, source, root)) from None
+
+
+class DuplicateKey(Exception):
+    """A mapping of the job file gives one key twice (YAML would keep the last, silently)."""
+
+
+@functools.cache
+def _strict_loader() -> type:
+    """The safe loader (libyaml's parser when built with it: the dry run's parse) that refuses a
+    key given twice in one mapping instead of keeping the last. Merge keys (``<<: *base``) still
+    override as YAML says; only keys written twice are refused."""
+    import yaml
+
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class StrictLoader(base):  # type: ignore[misc, valid-type]
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: set[str] = set()
+            for key, _ in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    if key.value in seen:
+                        raise DuplicateKey(key.value)
+                    seen.add(key.value)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+def _duplicate_message(source: str, root: Any) -> str:
+    """``job.yaml:4: name: given twice (first at line 3); …`` for the first key written twice."""
+    import yaml
+
+    def walk(node: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], int, int] | None:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                    if k.value in first:
+                        return path + (k.value,), k.start_mark.line + 1, first[k.value]
+                    first[k.value] = k.start_mark.line + 1
+                found = walk(v, path + (str(getattr(k, "value", k)),))
+                if found:
+                    return found
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                found = walk(v, path + (str(i),))
+                if found:
+                    return found
+        return None
+
+    found = walk(root, ())
+    if found is None:  # (not reached: the loader found one)
+        return f"{source}: a key is given twice in one mapping"
+    path, line, first = found
+    return (f"{source}:{line}: {'.'.join(path)}: given twice (first at line {first}); YAML would keep only the "
+            "last one silently — remove one")
 
 
 def load_spec(path: str | Path) -> JobSpec:
@@ -225,9 +325,11 @@ def load_spec(path: str | Path) -> JobSpec:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise SpecError(f"{p}: cannot read: {e}") from None
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it: the dry run's parse
+    loader = _strict_loader()
     try:
         data = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
+    except DuplicateKey:
+        raise SpecError(_duplicate_message(str(p), yaml.compose(text, Loader=loader))) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{p}:{mark.line + 1}" if mark else str(p)
