@@ -4,7 +4,8 @@
 ``sections`` (its pydantic sections, ``extra="forbid"``), ``presets`` (model shapes), ``hours``
 (step time, start-up, checkpoint cost and interval), ``estimate`` (offers × hours × (1 + buffer),
 the ranked plan), ``planner`` (will it fit: auto plan, fit check, ``resolve_parallel``) over
-``memory`` (bytes per GPU rank) and ``ladder`` (the parallel layouts and the lowest that fits),
+``memory`` (bytes per GPU rank), ``ladder`` (the parallel layouts and the lowest that fits) and
+``suggest`` (what would fit when nothing does),
 ``traps`` (known ways to waste money). Pure Python: imports ``orchestrator.contract`` and
 ``providers`` (offers, never an SDK); never torch, never ``run/`` or ``cli/``.
 """

@@ -26,7 +26,7 @@ The ladder (lowest first; the planner picks the lowest rung that fits)::
 The rungs mirror ``trainer/parallel.py`` exactly (tests/trainer/test_planner_exact.py runs the
 real trainer under torchrun and compares every rank's bytes). ``trainer.parallel: auto`` is
 ``planner.auto_plan``, which searches these rungs at smaller micro-batches and with activation
-checkpointing too.
+checkpointing too. When no rung fits, ``plan/suggest.py`` says what would.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from orchestrator.plan.memory import (
     state_bytes_per_rank,
 )
 from orchestrator.plan.spec import JobSpec, Parallel
+from orchestrator.plan.suggest import suggest_fit
 
 
 @dataclass
@@ -304,12 +305,31 @@ def plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None = None
         why=multi_node_why(chosen.strategy, rungs, nn, gpn),
     )
     if not fits and suggest:
-        p.suggestion = suggest_fit(spec, g, gpn, nn)
+        p.suggestion = suggest_fit(spec, g, gpn, nn, fits_on=_fits_on,
+                                   layout_valid=lambda m: layout_valid(spec, gpn, m))
     return p
 
 
-def multi_node_why(strategy: str, rungs: list[Rung], nodes: int, gpus_per_node: int) -> str | None:
-    """The dry run's reason for the chosen layout across nodes (None on one node)."""
+def _fits_on(spec: JobSpec, gpu: str, gpn: int, nodes: int) -> MemoryPlan | None:
+    """The ladder's plan (the spec's micro-batch and checkpointing) when it fits there, else None."""
+    try:
+        p = plan(spec, gpu=gpu, gpus_per_node=gpn, nodes=nodes, suggest=False)
+    except DtrunError:
+        return None
+    return p if p.fits else None
+
+
+def layout_valid(spec: JobSpec, gpn: int, nodes: int) -> bool:
+    """Some parallel layout is valid for the job on ``nodes`` × ``gpn`` GPUs (no bytes counted)."""
+    return any(not note for _, _, note in candidate_rungs(spec, nodes * gpn, gpn))
+
+
+def multi_node_why(strategy: str, rungs: list[Rung], nodes: int, gpus_per_node: int,
+                   hsdp_searched: str | None = None) -> str | None:
+    """The dry run's reason for the chosen layout across nodes (None on one node).
+    ``hsdp_searched``: auto searched HSDP at every micro-batch and checkpointing it may choose
+    and none fits — its smallest (``"hsdp-zero3 at 97.0 GB/GPU with …"``), said instead of HSDP's
+    figure at the chosen micro-batch."""
     if nodes < 2:
         return None
     by = {r.strategy: r for r in rungs if not r.note}
@@ -330,57 +350,12 @@ def multi_node_why(strategy: str, rungs: list[Rung], nodes: int, gpus_per_node: 
         return f"{strategy} across {nodes} nodes: no HSDP layout for this job"
     if all(r.note for r in hs):
         return f"{strategy} across {nodes} nodes: HSDP is not applicable ({hs[0].note})"
+    if hsdp_searched:
+        return (f"{strategy}: sharded over all {nodes * gpus_per_node} GPUs, every all-gather crosses nodes — "
+                f"HSDP (one node's shard group) fits at no micro-batch or activation checkpointing auto may "
+                f"choose (smallest: {hsdp_searched})")
     return (f"{strategy}: sharded over all {nodes * gpus_per_node} GPUs, every all-gather crosses nodes — "
             f"HSDP (one node's shard group) needs {gb('hsdp-zero3')} and does not fit")
-
-
-def _fits_somewhere(spec: JobSpec, gpu: str, gpn: int, nodes: int) -> MemoryPlan | None:
-    try:
-        p = plan(spec, gpu=gpu, gpus_per_node=gpn, nodes=nodes, suggest=False)
-    except DtrunError:
-        return None
-    return p if p.fits else None
-
-
-def suggest_fit(spec: JobSpec, gpu: str, gpn: int, nodes: int) -> str:
-    """Which GPU (same layout) or node count (same GPU) would fit."""
-    parts: list[str] = []
-    bigger = sorted((x for x in GPUS.values() if x.name != "cpu" and x.memory_gb > GPUS[gpu].memory_gb),
-                    key=lambda x: (x.memory_gb, x.peak_bf16_flops))
-    for cand in bigger:
-        p = _fits_somewhere(spec, cand.name, gpn, nodes)
-        if p is not None:
-            parts.append(f"{cand.name} ({cand.memory_gb:g} GB) × {gpn * nodes} fits with {p.strategy} "
-                         f"at {p.memory_per_gpu_gb:.1f} GB/GPU")
-            break
-    for more in sorted({nodes * 2, nodes * 4, nodes * 8, nodes * 16} | set(range(nodes + 1, nodes + 8))):
-        if more > 64:
-            continue
-        p = _fits_somewhere(spec, gpu, gpn, more)
-        if p is not None:
-            parts.append(f"{more} nodes × {gpn} {gpu} fit with {p.strategy} at {p.memory_per_gpu_gb:.1f} GB/GPU")
-            break
-    if not parts:
-        parts.append("no GPU type or node count up to 64 fits; reduce micro_batch_size or seq_len, "
-                     "or turn on activation_checkpointing: full")
-    if spec.trainer.activation_checkpointing != "full":
-        alt = spec.model_copy(deep=True)
-        alt.trainer.activation_checkpointing = "full"
-        p = _fits_somewhere(alt, gpu, gpn, nodes)
-        if p is not None:
-            parts.append(f"or activation_checkpointing: full fits as is ({p.strategy}, "
-                         f"{p.memory_per_gpu_gb:.1f} GB/GPU)")
-    mb = spec.trainer.micro_batch_size or max(1, spec.trainer.batch_size // (gpn * nodes))
-    while mb > 1:
-        mb //= 2
-        alt = spec.model_copy(deep=True)
-        alt.trainer.micro_batch_size = mb  # gradient accumulation keeps the global batch
-        p = _fits_somewhere(alt, gpu, gpn, nodes)
-        if p is not None:
-            parts.append(f"or trainer.micro_batch_size: {mb} fits as is ({p.strategy}, "
-                         f"{p.memory_per_gpu_gb:.1f} GB/GPU)")
-            break
-    return "; ".join(parts)
 
 
 # ---- the user's own degrees -------------------------------------------------------------------
@@ -399,14 +374,17 @@ def strategy_name(par: Parallel, n: int) -> str:
     return base
 
 
-def evaluate_spec_parallel(spec: JobSpec) -> Rung | None:
-    """The user's explicit ``trainer.parallel`` evaluated like a rung (None for ``auto``)."""
+def evaluate_spec_parallel(spec: JobSpec, gpu: str | None = None) -> Rung | None:
+    """The user's explicit ``trainer.parallel`` evaluated like a rung (None for ``auto``) on
+    ``gpu`` (default ``spec.resources.gpu``; an offer's variant, ``H100-SXM`` for ``gpu: H100``,
+    is checked against its own memory): the degrees the nodes run, whichever GPU serves them."""
     if spec.trainer.parallel == "auto":
         return None
+    g = (canonical_gpu(gpu) if gpu else None) or spec.resources.gpu
     par = spec.parallel_degrees
     n = spec.resources.total_gpus
-    device: Device = "cpu" if spec.resources.gpu == "cpu" else "gpu"
+    device: Device = "cpu" if g == "cpu" else "gpu"
     rung = evaluate_rung(spec, par, strategy_name(par, n), device)
-    limit = None if device == "cpu" else GPUS[spec.resources.gpu].memory_gb * GB
+    limit = None if device == "cpu" else GPUS[g].memory_gb * GB
     rung.fits = limit is None or rung.memory_bytes <= limit
     return rung

@@ -53,6 +53,7 @@ fp8 scaling state, NCCL's own buffers beyond the fixed 2 GB. Accuracy against
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Literal
@@ -102,10 +103,12 @@ class ParamShape:
         return math.prod(self.shape)
 
 
-def param_shapes(ms: ModelSpec) -> list[ParamShape]:
+@functools.lru_cache(maxsize=32)
+def param_shapes(ms: ModelSpec) -> tuple[ParamShape, ...]:
     """Every parameter of the GPT (torchtitan-like layout: separate wq/wk/wv/wo, w1/w2(/w3),
     grouped experts ``(E, hidden, d)`` / ``(E, d, hidden)``). The total equals
-    ``ms.num_params()``."""
+    ``ms.num_params()``. Cached per model (``ModelSpec`` is frozen): a plan evaluates every rung
+    at several micro-batches, and a 70B model has hundreds of tensors."""
     d, hd, V = ms.d_model, ms.head_dim, ms.vocab_size
     q, kv = ms.n_heads * hd, ms.kv_heads * hd
     out: list[ParamShape] = []
@@ -161,7 +164,7 @@ def param_shapes(ms: ModelSpec) -> list[ParamShape]:
     norm("norm", "root")
     if not ms.tie_embeddings:
         out.append(ParamShape("output.weight", (V, d), 0, "root"))
-    return out
+    return tuple(out)
 
 
 def _chunk(n: int, parts: int, idx: int) -> int:

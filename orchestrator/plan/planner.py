@@ -8,19 +8,21 @@ the trainer runs exactly the plan the dry run printed. Pure Python (no torch).
 
 The parts: ``plan/memory.py`` (the bytes one rank holds: parameters, gradients, optimizer state,
 gathered parameters, activations, host memory) and ``plan/ladder.py`` (the rungs, their bytes,
-:func:`plan`: the lowest rung that fits).
+:func:`plan`: the lowest rung that fits); ``plan/suggest.py`` words what would fit when nothing
+does, checked with auto's own search here (:func:`_auto_fits_on`).
 """
 
 from __future__ import annotations
 
 from orchestrator.contract.errors import EXIT_NO_FIT, DtrunError, SpecError
-from orchestrator.contract.gpus import GPUS, canonical_gpu
+from orchestrator.contract.gpus import GPUS
 from orchestrator.plan.ladder import (
-    MemoryPlan, Rung, candidate_rungs, dp_degree, evaluate_rung, evaluate_spec_parallel, multi_node_why, plan,
-    plan_target, planned_micro_batch, suggest_fit,
+    MemoryPlan, Rung, candidate_rungs, dp_degree, evaluate_rung, evaluate_spec_parallel, layout_valid,
+    multi_node_why, plan, plan_target, planned_micro_batch,
 )
 from orchestrator.plan.memory import host_bytes_per_node
 from orchestrator.plan.spec import JobSpec
+from orchestrator.plan.suggest import suggest_fit
 
 # Importable from here for callers outside plan/ that still name this module (benchmarks/
 # bench_planner.py: Parallel; tests/trainer/test_planner_exact.py: state_bytes_per_rank;
@@ -64,6 +66,12 @@ def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None =
        again lowest rung first;
     3. the same with selective, then with full activation checkpointing.
 
+    On several nodes the layouts whose sharding stays within a node (DDP, HSDP) get that whole
+    search first: one that fits at a smaller micro-batch or with checkpointing beats a layout
+    whose every all-gather crosses nodes (FSDP over all GPUs, TP × FSDP) at the default — the
+    advice the ``fsdp-across-nodes`` trap gives a pinned layout. Only when no node-local layout
+    fits at all does the search go on over every rung.
+
     A ``micro_batch_size`` or ``activation_checkpointing`` the user wrote is kept (only what is
     left to auto is searched). ``.fits`` False: nothing fits; ``.suggestion`` says what would."""
     g, gpn, nn, n, device, limit = plan_target(spec, gpu, gpus_per_node, nodes)
@@ -77,9 +85,11 @@ def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None =
             f"trainer.parallel: no parallel layout is valid for {n} GPUs: "
             + "; ".join(f"{name}: {note}" for name, _, note in cands))
 
-    def rungs_at(ac: str, k: int) -> list[tuple[Rung, int]]:
+    def rungs_at(ac: str, k: int, names: set[str]) -> list[tuple[Rung, int]]:
         out = []
         for name, par in valid:
+            if name not in names:
+                continue
             default = planned_micro_batch(spec, par)
             if pin["micro_batch_size"]:
                 if k:
@@ -94,24 +104,34 @@ def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None =
             out.append((rung, mb))
         return out
 
+    def search(names: set[str]) -> tuple[tuple[Rung, int, str] | None, tuple[Rung, int, str] | None]:
+        """(the first that fits in cost order, the smallest seen) among the rungs named."""
+        best: tuple[Rung, int, str] | None = None
+        for ac in acs:
+            k = 0
+            while True:
+                evald = rungs_at(ac, k, names)
+                if not evald:
+                    break
+                for rung, mb in evald:
+                    if best is None or rung.memory_bytes < best[0].memory_bytes:
+                        best = (rung, mb, ac)
+                hit = next(((rung, mb) for rung, mb in evald if rung.fits), None)
+                if hit is not None:
+                    return (hit[0], hit[1], ac), best
+                k += 1
+        return None, best
+
     chosen: tuple[Rung, int, str] | None = None
     best: tuple[Rung, int, str] | None = None
-    for ac in acs:
-        k = 0
-        while True:
-            evald = rungs_at(ac, k)
-            if not evald:
-                break
-            for rung, mb in evald:
-                if best is None or rung.memory_bytes < best[0].memory_bytes:
-                    best = (rung, mb, ac)
-            hit = next(((rung, mb) for rung, mb in evald if rung.fits), None)
-            if hit is not None:
-                chosen = (hit[0], hit[1], ac)
-                break
-            k += 1
-        if chosen is not None:
-            break
+    hsdp_best: tuple[Rung, int, str] | None = None
+    local = {name for name, _ in valid if name == "ddp" or name.startswith("hsdp")}
+    if nn > 1 and any(name.startswith("hsdp") for name in local):
+        chosen, best = search(local)
+        if chosen is None:
+            hsdp_best = best
+    if chosen is None:
+        chosen, best = search({name for name, _ in valid})
     fits = chosen is not None
     pick = chosen or best
     assert pick is not None
@@ -142,11 +162,45 @@ def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None =
         gpu_memory_gb=None if limit is None else GPUS[g].memory_gb, gpus_per_node=gpn, nodes=nn,
         micro_batch_size=mb, notes=notes, activation_checkpointing=ac,
         auto={"pinned": [k for k, v in pin.items() if v], "changed": changed},
-        why=multi_node_why(rung.strategy, shown, nn, gpn),
+        why=multi_node_why(rung.strategy, shown, nn, gpn, hsdp_searched=None if hsdp_best is None else (
+            f"{hsdp_best[0].strategy} at {hsdp_best[0].memory_per_gpu_gb:.1f} GB/GPU with micro_batch_size "
+            f"{hsdp_best[1]}, activation_checkpointing {hsdp_best[2]}")),
     )
     if not fits and suggest:
-        p.suggestion = suggest_fit(spec, g, gpn, nn)
+        p.suggestion = suggest_fit(spec, g, gpn, nn, fits_on=_auto_fits_on, pinned=pin,
+                                   layout_valid=lambda m: layout_valid(spec, gpn, m))
     return p
+
+
+def _could_fit(spec: JobSpec, gpu: str, gpn: int, nodes: int) -> bool:
+    """Whether auto could fit at all there: some valid rung at the least memory auto may choose
+    (micro-batch 1 and full checkpointing, unless pinned). Memory only falls with a smaller
+    micro-batch and more checkpointing, so when this fails the whole search would; it costs one
+    evaluation per rung instead of the search's dozens (suggestions try many targets)."""
+    _, _, _, n, device, limit = plan_target(spec, gpu, gpn, nodes)
+    if limit is None:
+        return True
+    pin = pinned(spec)
+    t = spec.trainer
+    ac = t.activation_checkpointing if pin["activation_checkpointing"] else "full"
+    for name, par, note in candidate_rungs(spec, n, gpn):
+        if note:
+            continue
+        mb = planned_micro_batch(spec, par) if pin["micro_batch_size"] else 1
+        if evaluate_rung(spec, par, name, device, micro_batch=mb, checkpointing=ac).memory_bytes <= limit:
+            return True
+    return False
+
+
+def _auto_fits_on(spec: JobSpec, gpu: str, gpn: int, nodes: int) -> MemoryPlan | None:
+    """Auto's plan there when it fits (for a suggestion: auto searches wherever it runs), else None."""
+    try:
+        if not _could_fit(spec, gpu, gpn, nodes):
+            return None
+        p = auto_plan(spec, gpu=gpu, gpus_per_node=gpn, nodes=nodes, suggest=False)
+    except DtrunError:
+        return None
+    return p if p.fits else None
 
 
 def host_memory_problem(spec: JobSpec, p: MemoryPlan) -> str | None:
@@ -191,9 +245,12 @@ def _gpu_fit_check(spec: JobSpec, gpu: str | None = None) -> tuple[MemoryPlan, s
                    f"{p.activation_checkpointing}); {p.suggestion}")
     p = plan(spec, gpu=gpu)
     g = p.gpu
-    if g == "cpu" or (gpu is not None and canonical_gpu(gpu) != spec.resources.gpu):
-        return p, (None if p.fits else f"no parallel layout fits {g}: {p.suggestion}")
-    mine = evaluate_spec_parallel(spec)
+    if g == "cpu":
+        return p, None
+    # The nodes run the degrees you wrote on whichever GPU serves the job — the spec's own, one of
+    # its variants (``gpu: H100`` rented as H100-SXM or H100-PCIe), or another GPU asked about:
+    # so the check is always of those degrees, against that GPU's memory.
+    mine = evaluate_spec_parallel(spec, gpu=g)
     assert mine is not None
     if mine.fits:
         return p, None

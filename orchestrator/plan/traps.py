@@ -35,12 +35,12 @@ from typing import Callable
 from pydantic import ValidationError
 
 from orchestrator.contract.errors import DtrunError
-from orchestrator.contract.gpus import GPUS
+from orchestrator.contract.gpus import GPUS, gpu_family, gpu_matches
 from orchestrator.plan.spec import JobSpec
 from providers.base import Offer
 
 BF16_GPUS = frozenset({"A100", "A100-80GB", "A10", "L4", "L40S", "RTX4090", "H100", "H200", "GH200", "B200"})
-"""Ampere or newer: bf16 tensor cores. (T4 is Turing: fp16 only.)"""
+"""Ampere or newer: bf16 tensor cores. (T4 is Turing: fp16 only.) By family: H100-SXM is an H100."""
 BIG_NODE_GPUS = frozenset({"H100", "H200", "GH200", "B200"})
 DEBUG_JOB_HOURS = 1.0
 """A job one small GPU finishes within this many compute hours is "debugging-sized"."""
@@ -72,7 +72,7 @@ class _Ctx:
 
 
 def _fp16(c: _Ctx) -> Trap | None:
-    if c.spec.trainer.precision == "fp16" and c.gpu in BF16_GPUS:
+    if c.spec.trainer.precision == "fp16" and gpu_family(c.gpu) in BF16_GPUS:
         return Trap("fp16-on-bf16-gpu",
                     f"trainer.precision: fp16 on {c.gpu}: use bf16 — same speed, fp32's range, "
                     "no loss scaling or overflow skips")
@@ -212,7 +212,7 @@ def _smallest_gpu(spec: JobSpec) -> tuple[str, object] | None:
 
 
 def _debug_big_node(c: _Ctx) -> Trap | None:
-    if c.gpu not in BIG_NODE_GPUS or c.gpus < 8:
+    if gpu_family(c.gpu) not in BIG_NODE_GPUS or c.gpus < 8:
         return None
     s = c.spec
     found = _smallest_gpu(s)
@@ -252,9 +252,12 @@ def _fit(c: _Ctx) -> Trap | None:
         return Trap("does-not-fit",
                     f"no parallel layout fits {c.nodes}×{c.gpus_per_node} {c.gpu} "
                     f"(best: {p.strategy} at {p.memory_per_gpu_gb:.1f} GB/GPU): {p.suggestion}")
-    if c.spec.trainer.parallel != "auto" and (c.gpu, c.gpus_per_node, c.nodes) == (
-            c.spec.resources.gpu, c.spec.resources.gpus_per_node, c.spec.resources.nodes):
-        mine = evaluate_spec_parallel(c.spec)
+    r = c.spec.resources
+    # The offer's GPU may be a variant of the spec's (gpu: H100 rented as H100-SXM): the same
+    # degrees run there, so they are checked there.
+    if c.spec.trainer.parallel != "auto" and gpu_matches(r.gpu, c.gpu) and (c.gpus_per_node, c.nodes) == (
+            r.gpus_per_node, r.nodes):
+        mine = evaluate_spec_parallel(c.spec, gpu=c.gpu)
         if mine is not None and not mine.fits:
             return Trap("does-not-fit",
                         f"trainer.parallel ({mine.strategy}) needs {mine.memory_per_gpu_gb:.1f} GB/GPU on {c.gpu} "
