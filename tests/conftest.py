@@ -1,11 +1,22 @@
-"""Shared fixtures: a real S3 API (moto server over HTTP on 127.0.0.1) and an isolated DTRUN_HOME."""
+"""Shared fixtures: a real S3 API (moto server over HTTP on 127.0.0.1) and an isolated DTRUN_HOME.
+
+The fakes every suite shares (the offline SkyPilot and Modal stand-ins, the scripted Modal control
+plane, the torch-free node trainer) live in one place, ``tests/fakes/``, importable by name
+(``from provider_fakes import ...``) from any test.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
+
+FAKES = Path(__file__).resolve().parent / "fakes"
+if str(FAKES) not in sys.path:
+    sys.path.insert(0, str(FAKES))
 
 
 @pytest.fixture(scope="session")

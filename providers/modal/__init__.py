@@ -28,7 +28,7 @@
   something and never retried blindly.
 
 Every SDK call goes through :class:`providers.modal.api.ModalAPI`; tests drive it through the real
-SDK against a local fake control plane (tests/providers/fake_modal_server.py). Credentials:
+SDK against a local fake control plane (tests/fakes/fake_modal_server.py). Credentials:
 ``MODAL_TOKEN_ID`` + ``MODAL_TOKEN_SECRET``, or ``~/.modal.toml`` (``modal token set``;
 ``MODAL_CONFIG_PATH`` moves it).
 """

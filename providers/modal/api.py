@@ -2,7 +2,7 @@
 
 Nothing here runs at import time; ``modal`` is imported inside each method. Records are plain
 dataclasses so the adapter and its tests share one vocabulary. Tests drive this class through the
-real SDK against a local fake of Modal's gRPC control plane (tests/providers/fake_modal_server.py).
+real SDK against a local fake of Modal's gRPC control plane (tests/fakes/fake_modal_server.py).
 
 Three things go below the SDK's public surface, because the public one drops what dtrun needs:
 

@@ -122,7 +122,7 @@ def test_skypilot_optimizer_and_bid_see_the_prices_dtrun_quotes(refreshed, tmp_p
     dtrun's quote; RunPod's bid_per_gpu (clouds/runpod.py: the instance type's spot hourly cost
     ÷ GPUs) is dtrun's spot_bid; Vast gets dtrun's bid through the task's create_instance_kwargs."""
     tmp, env, _p, _s = refreshed
-    from tests.providers.skypilot_offline import enable_clouds, optimize, seed_catalogs
+    from tests.fakes.skypilot_offline import enable_clouds, optimize, seed_catalogs
 
     root = seed_catalogs(tmp_path / "home", monkeypatch)
     for cloud in ("runpod", "vast", "lambda"):

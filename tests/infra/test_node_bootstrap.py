@@ -18,7 +18,7 @@ from orchestrator.contract import runuri
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOT = ROOT / "infra" / "node_bootstrap.py"
-FAKE = Path(__file__).resolve().parent / "fake_node_trainer.py"
+FAKE = Path(__file__).resolve().parents[1] / "fakes" / "fake_node_trainer.py"
 
 sys.path.insert(0, str(ROOT / "infra"))
 import node_bootstrap as nb  # noqa: E402

@@ -1,4 +1,4 @@
-"""Provider test fixtures (fakes live in provider_fakes.py)."""
+"""Provider test fixtures (the fakes live in tests/fakes/provider_fakes.py)."""
 
 from __future__ import annotations
 

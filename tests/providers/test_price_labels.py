@@ -98,7 +98,7 @@ def test_only_clouds_refreshed_before_and_older_than_the_age_are_stale(cat, monk
 
 def test_spot_choice_names_both_sides_and_the_winner(cat, tmp_path, monkeypatch, provider_credentials):
     from orchestrator.cli.app import main
-    from tests.orchestrator.test_dryrun import job_file
+    from tests.orchestrator.cli.test_dryrun import job_file
 
     install(cat, "runpod", RUNPOD, fetched_at=time.time())
     f = job_file(tmp_path, resources__providers=["runpod"], resources__spot="prefer", resources__gpu="H100-SXM")

@@ -1,6 +1,6 @@
 """One contract suite, run against every provider: fake, local (real processes), RunPod/Lambda/Vast
 through the SkyPilot adapter behind a recorded fake SkyAPI, and Modal through the real ``modal``
-client against a local fake of Modal's gRPC control plane (tests/providers/fake_modal_server.py)."""
+client against a local fake of Modal's gRPC control plane (tests/fakes/fake_modal_server.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Modal through the real ``modal`` client against a local fake of Modal's gRPC control plane
-(tests/providers/fake_modal_server.py): what a user with a real account would hit — no GPU
+(tests/fakes/fake_modal_server.py): what a user with a real account would hit — no GPU
 capacity, a failing image build, the image's layers, abnormal endings (OOM, eviction, timeout,
 already finished), name collisions, vanished sandboxes, dropped connections, listing by app id,
 CPU and memory requests, a sandbox's logs, and a create still in flight when dtrun cancels it."""

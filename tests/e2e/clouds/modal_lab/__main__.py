@@ -74,7 +74,7 @@ def serve(args: argparse.Namespace) -> int:
         root = args.root or tempfile.mkdtemp(prefix="modal-lab-")
         lab = ExecutingModal(root, terminate_grace=args.grace)
     else:
-        from tests.providers.fake_modal_server import FakeModal
+        from tests.fakes.fake_modal_server import FakeModal
 
         lab = FakeModal()
     lab.port = args.port

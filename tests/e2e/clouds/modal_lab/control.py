@@ -1,6 +1,6 @@
 """The executing mode of the local Modal control plane: sandboxes run as real local processes.
 
-Built on the scripted control plane (``tests/providers/fake_modal_server.py``: the same gRPC
+Built on the scripted control plane (``tests/fakes/fake_modal_server.py``: the same gRPC
 servicer the real ``modal`` 1.6.4 client talks to through ``MODAL_SERVER_URL``); this module
 replaces its sandbox end with real processes. What it does, and where it takes shortcuts:
 
@@ -63,7 +63,7 @@ from grpclib import GRPCError, Status
 
 from modal_proto import api_pb2
 
-from tests.providers.fake_modal_server import GS, FakeModal, FakeModalServicer, FakeSandbox
+from tests.fakes.fake_modal_server import GS, FakeModal, FakeModalServicer, FakeSandbox
 from modal._utils.grpc_testing import patch_mock_servicer
 
 DEFAULT_TERMINATE_GRACE = 30.0

@@ -17,7 +17,7 @@ from orchestrator.plan.spec import DEFAULT_NODE_IMAGE, parse_spec
 from providers import catalog
 from providers.base import Offer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RUNPOD = Offer("runpod", "any", "H100", 8, True, 2.0)
 
 

@@ -25,7 +25,7 @@ from orchestrator.run.state import StateStore
 
 pytestmark = pytest.mark.slow  # real torchrun
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def job(uri: str, name: str = "e2e", steps: int = 80) -> dict:
@@ -112,7 +112,7 @@ def test_sigkill_twice_resumes_bit_identical_on_s3(dtrun_home, tmp_path, s3_buck
 def test_trainer_crash_restarts_then_fails_with_reason(dtrun_home, tmp_path, monkeypatch):
     # a trainer that crashes (exit 1) under real torchrun: the bootstrap tests' stand-in
     monkeypatch.setenv("DTRUN_TRAINER_MODULE", "fake_node_trainer")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO / "tests" / "infra"), str(REPO)]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO / "tests" / "fakes"), str(REPO)]))
     monkeypatch.setenv("FAKE_MODE", "exit=1")
     d = job(f"file://{tmp_path}/crash", "e2e-crash")
     d["trainer"]["parallel"] = {"dp_shard": 1}

@@ -168,7 +168,7 @@ def test_prefer_with_a_rate_simulates_the_spot_offer(capsys):
 
     from orchestrator.cli.simulate import cmd_simulate
 
-    job = Path(__file__).resolve().parents[2] / "jobs" / "gpt2-124m.yaml"
+    job = Path(__file__).resolve().parents[3] / "jobs" / "gpt2-124m.yaml"
     assert cmd_simulate(job, 2.0, 20, 0, True) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["offer"].endswith("/spot")

@@ -12,7 +12,7 @@ import yaml
 from orchestrator.cli.app import main
 from orchestrator.plan.estimate import step_floor_seconds
 from orchestrator.plan.spec import load_spec
-from tests.orchestrator.test_dryrun import GPT2, job_file
+from tests.orchestrator.cli.test_dryrun import GPT2, job_file
 
 
 @pytest.fixture(autouse=True)

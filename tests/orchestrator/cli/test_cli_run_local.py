@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DTRUN = [sys.executable, "-m", "orchestrator.cli"]
-FAKE_TRAINER = REPO / "tests" / "infra" / "fake_node_trainer.py"
+FAKE_TRAINER = REPO / "tests" / "fakes" / "fake_node_trainer.py"
 
 JOB = """\
 name: clijob

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "providers"))
 
 from provider_fakes import FakeModalAPI, FakeSkyAPI  # noqa: E402
 

@@ -21,7 +21,7 @@ from orchestrator.run.prepare import run_spec
 from orchestrator.plan.estimate import make_plan
 from orchestrator.plan.spec import load_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GPT2 = ROOT / "jobs" / "gpt2-124m.yaml"
 QUICKSTART = ROOT / "jobs" / "quickstart.yaml"
 

@@ -20,9 +20,9 @@ import pytest
 
 from orchestrator.contract import runuri
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DTRUN = [sys.executable, "-m", "orchestrator.cli"]
-FAKE_TRAINER = REPO / "tests" / "infra" / "fake_node_trainer.py"
+FAKE_TRAINER = REPO / "tests" / "fakes" / "fake_node_trainer.py"
 
 
 def _env(tmp_path: Path, **kw: str) -> dict[str, str]:

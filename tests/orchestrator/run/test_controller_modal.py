@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "providers"))
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "infra"))
 
 import node_bootstrap as nb  # noqa: E402

@@ -172,7 +172,7 @@ _MODAL_SERVER = None
 
 
 def modal_server():
-    """One fake Modal control plane for the session (tests/providers/fake_modal_server.py), the
+    """One fake Modal control plane for the session (tests/fakes/fake_modal_server.py), the
     real ``modal`` client pointed at it through MODAL_SERVER_URL; its state is reset per use."""
     global _MODAL_SERVER
     from fake_modal_server import FakeModal

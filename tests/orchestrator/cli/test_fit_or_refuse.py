@@ -15,7 +15,7 @@ from orchestrator.cli.app import main
 from orchestrator.plan import planner
 from orchestrator.plan.spec import parse_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GPT2 = ROOT / "jobs" / "gpt2-124m.yaml"
 
 

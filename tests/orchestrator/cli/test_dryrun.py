@@ -15,7 +15,7 @@ import yaml
 from orchestrator.cli.app import main
 from orchestrator.contract.gpus import GPUS, gpu_matches
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GPT2 = ROOT / "jobs" / "gpt2-124m.yaml"
 
 

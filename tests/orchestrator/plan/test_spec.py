@@ -13,7 +13,7 @@ import yaml
 from orchestrator.contract.errors import SpecError
 from orchestrator.plan.spec import JobSpec, load_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
 
 GOOD = {
