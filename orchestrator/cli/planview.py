@@ -20,6 +20,7 @@ from orchestrator.contract.errors import (
     EXIT_OVER_BUDGET,
     EXIT_PROVIDER,
 )
+from orchestrator.contract.gpus import gpu_matches
 
 if TYPE_CHECKING:  # the plan imports pydantic and the presets: only when a command runs
     from orchestrator.plan.estimate import Plan
@@ -124,8 +125,8 @@ def _memory_and_traps(spec: JobSpec, plan: Plan, offer_rows: list[dict[str, Any]
     gpu = shown.gpu if shown else spec.resources.gpu
     mem, why = planner.fit_check(spec, gpu=gpu)
     out["plan"] = mem.to_dict()
-    if spec.trainer.parallel != "auto" and gpu == spec.resources.gpu:
-        mine = planner.evaluate_spec_parallel(spec)  # what the nodes will run: the degrees you wrote
+    if spec.trainer.parallel != "auto" and gpu_matches(spec.resources.gpu, gpu):
+        mine = planner.evaluate_spec_parallel(spec, gpu=gpu)  # what the nodes will run: the degrees you wrote
         if mine is not None:
             out["plan"]["spec_parallel"] = {**mine.to_dict(), "set_by_user": "parallel" in spec.trainer.model_fields_set}
     out["fits_memory"] = why is None
