@@ -9,6 +9,9 @@ communication, data loading, checkpoint stall, idle — with tokens/s, MFU and t
 Scope: it runs *locally* — CPU ranks for ``gpu: cpu`` jobs, or this machine's CUDA GPUs when it
 has them. Profiling on a rented offer (launch through the controller, fetch the trace) is not
 built; for a GPU job on a machine without GPUs the command says so and exits 2.
+
+JOB is a job file or the name of a job in the state store (``dtrun ls``), like the other
+commands; an existing file of that name wins, and the command says which one it profiles.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from typing import Annotated, Any
 
 import typer
 
-from orchestrator.cli.options import JobArg, JsonOpt
-from orchestrator.contract.errors import EXIT_JOB_FAILED, EXIT_OK, UsageError
+from orchestrator.cli.options import JsonOpt
+from orchestrator.contract.errors import EXIT_JOB_FAILED, EXIT_OK, NotFoundError, UsageError
 
 TIMEOUT_S = 1800
 
@@ -57,15 +60,36 @@ def _render(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cmd_profile(job: Path, steps: int, json_out: bool) -> int:
+def resolve(job: str) -> tuple[Any, str]:
+    """(JobSpec, where it came from) for a job file, else a job name in the state store."""
+    from orchestrator.plan.spec import load_spec
+
+    path = Path(job).expanduser()
+    if path.is_file():
+        return load_spec(path), f"job file {path}"
+    if os.path.sep not in job and not job.endswith((".yaml", ".yml")):
+        from orchestrator.cli.detached import load_stored_spec
+        from orchestrator.run.state import StateStore
+
+        store = StateStore()
+        if store.get_job(job) is not None:
+            spec, _ = load_stored_spec(store, job)
+            return spec, f"job {job!r} in the state store ({store.path})"
+        raise NotFoundError(f"{job}: no such job file, and no job named {job!r} in the state store "
+                            f"({store.path}; see `dtrun ls`)")
+    raise NotFoundError(f"{job}: no such job file")
+
+
+def cmd_profile(job: str, steps: int, json_out: bool) -> int:
     import typer
 
     from orchestrator.plan.planner import resolve_parallel
-    from orchestrator.plan.spec import load_spec, spec_to_yaml
+    from orchestrator.plan.spec import spec_to_yaml
 
     if steps < 1:
         raise UsageError("--steps must be at least 1")
-    spec = load_spec(job)
+    spec, source = resolve(str(job))
+    job = f"{job} ({source})"
     if spec.trainer is None:
         raise UsageError(f"{job}: runs your own command: `dtrun profile` profiles the bundled trainer "
                          "(profile your script with torch.profiler inside it)")
@@ -92,7 +116,7 @@ def cmd_profile(job: Path, steps: int, json_out: bool) -> int:
         if r.gpu == "cpu":
             env.setdefault("OMP_NUM_THREADS", "1")
         if not json_out:
-            typer.echo(f"profiling {spec.name}: {nproc} rank(s), {steps} steps …", err=True)
+            typer.echo(f"profiling {spec.name} from the {source}: {nproc} rank(s), {steps} steps …", err=True)
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -103,6 +127,7 @@ def cmd_profile(job: Path, steps: int, json_out: bool) -> int:
             typer.echo(f"dtrun: profile run failed (exit {proc.returncode}):\n  " + "\n  ".join(tail), err=True)
             return proc.returncode if proc.returncode == 2 else EXIT_JOB_FAILED
         res = json.loads(result.read_text())
+    res["source"] = source
     typer.echo(json.dumps(res, indent=2) if json_out else _render(res))
     return EXIT_OK
 
@@ -113,7 +138,7 @@ app = typer.Typer()
 
 @app.command()
 def profile(
-    job: JobArg,
+    job: Annotated[str, typer.Argument(help="Job name (see `dtrun ls`) or its job.yaml.", show_default=False)],
     steps: Annotated[int, typer.Option(help="Steps to profile.")] = 10,
     json_out: JsonOpt = False,
 ) -> None:

@@ -41,3 +41,23 @@ def test_sample_id_prompt_goes_on_to_the_checkpoint(capsys, tmp_path, dtrun_home
     assert main(["sample", str(job), "--prompt", "1 2 3"]) == 2  # no checkpoint yet: the export's refusal
     err = capsys.readouterr().err
     assert "no tokenizer" not in err and "internal error" not in err and "COMMITTED" in err
+
+
+def test_profile_takes_a_job_name_from_the_state_store_and_says_so(capsys, tmp_path, dtrun_home):
+    from orchestrator.run.state import StateStore
+
+    data = yaml.safe_load(synthetic_job(tmp_path).read_text())
+    data["resources"].update(providers=["runpod"], gpu="H100", gpus_per_node=8)
+    data["trainer"]["parallel"] = {"dp_shard": 8, "tp": 1}
+    StateStore().create_job("quickstart", yaml.safe_dump(data, sort_keys=False), "file:///tmp/x")
+    # resolved from the store (not "no such file"): it goes on to the GPU check (this machine has none)
+    assert main(["profile", "quickstart", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no such file" not in err and "in the state store" in err and "8 × H100" in err
+
+
+def test_profile_unknown_name_says_neither_file_nor_job(capsys, tmp_path, dtrun_home, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", "nosuchjob"]) == 6
+    err = capsys.readouterr().err
+    assert "no such job file" in err and "no job named 'nosuchjob'" in err and "dtrun ls" in err
