@@ -333,18 +333,22 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
 
 def verdict_exit_code(spec: JobSpec, plan: Plan, report: dict[str, Any], strict: bool,
                       force: bool = False) -> int:
-    """4 when the plan does not fit memory (unless ``force``), 2 for traps under ``strict``,
-    4 with no offer, 3 over budget, else 0."""
+    """The plan's verdict, the first that applies (docs/commands.md, "When several things are
+    wrong"): 4 when the plan does not fit memory (unless ``force``), 2 for traps under ``strict``,
+    3 over budget (or over budget.max_hours) — also when only offers that need credentials are
+    priced: the verdict the user asked for comes before what is not set up yet —, 5 when every
+    offer needs credentials, 4 with no offer, else 0."""
     if report.get("does_not_fit") and not force:
         return EXIT_NO_FIT
     traps = [t for t in report.get("traps", []) if not (force and t.get("code") == "does-not-fit")]
     if strict and traps:
         return EXIT_INVALID
+    _shown, est = plan.shown
+    if est is not None and not est.within_budget:
+        return EXIT_OVER_BUDGET
     if plan.chosen is None:
         # Offers exist, but only from providers without credentials: a provider refusal (5).
         return EXIT_PROVIDER if plan.unusable else EXIT_NO_OFFER
-    if not plan.within_budget:
-        return EXIT_OVER_BUDGET
     return EXIT_OK
 
 
@@ -353,16 +357,19 @@ def refusal(plan: Plan, report: dict[str, Any], code: int, force: bool) -> str:
     if report.get("does_not_fit") and not force:
         return (f"the plan does not fit memory: {report['does_not_fit']}; nothing rented "
                 "(--force rents it anyway)")
-    if plan.chosen is None:
-        return "no offer fits: " + ("; ".join(plan.refusals) or "no provider offers this GPU") + "; nothing rented"
     if code == EXIT_INVALID:
         return f"--strict: {len(report.get('traps', []))} known trap(s); nothing rented"
-    dl = plan.estimate.breakdown.get("deadline") if plan.estimate else None
+    if plan.chosen is None and code != EXIT_OVER_BUDGET:
+        return "no offer fits: " + ("; ".join(plan.refusals) or "no provider offers this GPU") + "; nothing rented"
+    _shown, est = plan.shown
+    dl = est.breakdown.get("deadline") if est else None
     if dl and not dl["cut"]:
         return (f"the estimate ({fmt_hours(dl['estimate_hours'])}) is longer than budget.max_hours "
                 f"({dl['max_hours']:g} h): about {dl['fraction_trained']:.0%} of the run would be done by then; "
                 "nothing rented (budget.cut_at_deadline: true if it is meant to cut)")
-    return "the estimate is over budget.max_usd; nothing rented"
+    over = (f" ({fmt_money(est.cost_usd)} > {fmt_money(est.budget_usd)})"
+            if est is not None and est.budget_usd is not None else "")
+    return f"the estimate is over budget.max_usd{over}; nothing rented"
 
 
 def print_refusals(plan: Plan, report: dict[str, Any], code: int, strict: bool, force: bool, job: str) -> None:

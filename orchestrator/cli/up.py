@@ -27,7 +27,7 @@ from orchestrator.cli.planview import (
     verdict_exit_code,
 )
 from orchestrator.cli.prices import refresh_prices
-from orchestrator.contract.errors import EXIT_INVALID, EXIT_OK
+from orchestrator.contract.errors import EXIT_INVALID, EXIT_OK, EXIT_PROVIDER
 
 
 def check_run_uri_reachable(spec, plan, source: str) -> None:
@@ -111,11 +111,12 @@ def cmd_up(job: Path, yes: bool = False, detach: bool = False, json_out: bool = 
     # interval); the report judges the spec as written (what auto was allowed to change).
     p = prepare.prepare(written, spec_path=str(Path(job).resolve()))
     spec, plan = p.spec, p.plan
-    # Every offer on a provider whose credentials are missing: exit 5 before any spend, naming
-    # the file to write (SkyPilot reads ~/.runpod/config.toml, not RUNPOD_API_KEY).
-    require_usable_provider(plan)
     report = plan_report(written, plan)
-    code = verdict_exit_code(written, plan, report, strict, force)
+    code = verdict_exit_code(written, plan, report, strict, force)  # over budget (3) before credentials (5)
+    if code == EXIT_PROVIDER:
+        # Every offer on a provider whose credentials are missing: exit 5 before any spend, naming
+        # the file to write (SkyPilot reads ~/.runpod/config.toml, not RUNPOD_API_KEY).
+        require_usable_provider(plan)
     out = sys.stderr if json_out else sys.stdout
     if not json_out:
         print_plan(written, plan, report)
