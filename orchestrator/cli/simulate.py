@@ -16,6 +16,7 @@ def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: 
                  **opts: Any) -> int:
     import typer
 
+    from orchestrator.cli.planview import fmt_money as usd
     from orchestrator.plan.spec import load_spec
     from orchestrator.run.simulate import simulate_job
 
@@ -27,18 +28,20 @@ def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: 
     p = out
     if note:
         typer.echo(note)
-    typer.echo(f"{spec.name}: {p['runs']} simulated runs on {p['offer']} (${p['price_per_hour']:.2f}/h), "
+    typer.echo(f"{spec.name}: {p['runs']} simulated runs on {p['offer']} ({usd(p['price_per_hour'])}/h), "
                f"{p['preemptions_per_hour']:g} preemptions/h"
                + (f" ({p['nodes']} nodes × {p['preemptions_per_node_hour']:g}/h each; one lost node ends the "
                   "attempt)" if p.get("nodes", 1) > 1 else "")
                + f", checkpoint every {p['checkpoint_every_steps']} steps "
                f"({p['elapsed_s']:.1f} s)")
     typer.echo(f"  outcome     {', '.join(f'{k} {v}' for k, v in sorted(p['states'].items()))}")
+    for reason, n in (p.get("failed_reason_runs") or {}).items():
+        typer.echo(f"  failed      {n} run(s): {reason}")
     typer.echo(f"  wall        mean {p['wall_hours_mean']:.2f} h   p95 {p['wall_hours_p95']:.2f} h")
-    typer.echo(f"  cost        mean ${p['cost_usd_mean']:.2f}   p95 ${p['cost_usd_p95']:.2f}   max ${p['cost_usd_max']:.2f}")
+    typer.echo(f"  cost        mean {usd(p['cost_usd_mean'])}   p95 {usd(p['cost_usd_p95'])}   max {usd(p['cost_usd_max'])}")
     ratio = p["expected_vs_simulated_mean"]
     ratio_s = f" (x{ratio:.2f} of the simulated mean)" if ratio is not None else ""
-    typer.echo(f"  estimate    expected ${p['expected_usd']:.2f}{ratio_s}   with {p.get('estimate_basis') or 'buffer'} ${p['estimate_usd']:.2f} "
+    typer.echo(f"  estimate    expected {usd(p['expected_usd'])}{ratio_s}   with {p.get('estimate_basis') or 'buffer'} {usd(p['estimate_usd'])} "
                f"({'covers' if p['estimate_covers_p95'] else 'BELOW'} the p95)")
     typer.echo(f"  attempts    mean {p['attempts_mean']:.2f}   max {p['attempts_max']}   "
                f"preemptions mean {p['preemptions_mean']:.2f} (with notice {p['soft_preemptions_mean']:.2f}, "
@@ -52,14 +55,14 @@ def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: 
     typer.echo(f"  work lost   mean {p['work_lost_steps_mean']:.0f} steps ({p['work_lost_hours_mean'] * 60:.1f} min)")
     typer.echo(f"  goodput     mean {p['goodput_mean']:.1%}   p5 {p['goodput_p5']:.1%}   "
                f"(after start-up: {p['training_goodput_mean']:.1%})")
-    budget = f" of budget ${p['budget_usd']:.2f}" if p["budget_usd"] is not None else " (no budget set)"
+    budget = f" of budget {usd(p['budget_usd'])}" if p["budget_usd"] is not None else " (no budget set)"
     typer.echo(f"  budget      exceeded in {p['budget_exceeded_runs']} run(s){budget}")
     typer.echo(f"  orphans     {p['orphan_instance_seconds']:.0f} instance-seconds billed after a job ended")
     yd = p.get("young_daly")
     if p.get("young_daly_every_steps"):
         if yd:
             typer.echo(f"  Young/Daly  every {yd['checkpoint_every_steps']} steps (you set {p['checkpoint_every_user']}): "
-                       f"cost mean ${yd['cost_usd_mean']:.2f} p95 ${yd['cost_usd_p95']:.2f}, "
+                       f"cost mean {usd(yd['cost_usd_mean'])} p95 {usd(yd['cost_usd_p95'])}, "
                        f"goodput {yd['goodput_mean']:.1%}")
         else:
             typer.echo(f"  Young/Daly  every {p['young_daly_every_steps']} steps: the interval simulated")

@@ -122,6 +122,13 @@ def prepare(spec: JobSpec, preemptions_per_hour: float | None = None, every_over
         why = "; ".join(plan.refusals) or "no offer fits"
         raise UsageError(f"{spec.name}: nothing to simulate: {why}")
     offer = plan.chosen
+    if preemptions_per_hour and not offer.spot:
+        # A rate on an on-demand offer would silently simulate 0 preemptions: refuse, saying why.
+        why = ("resources.spot: false" if spec.resources.spot is False
+               else (plan.spot_choice or {}).get("why") or "the plan ranked on-demand first")
+        raise UsageError(f"{spec.name}: --preemptions-per-hour {preemptions_per_hour:g}: the simulated offer "
+                         f"{offer.key()} is on-demand ({why}), and on-demand nodes are not preempted; drop "
+                         "the flag, or allow spot (resources.spot: true or prefer) on a provider that sells it")
     # Per attempt: any one of the N nodes lost ends the attempt (the fake cloud's instance stands
     # for the whole cluster, so it is preempted at N × the per-node rate).
     rate = hours.attempt_preemption_rate(spec, offer.nodes, preemptions_per_hour) if offer.spot else 0.0
@@ -287,6 +294,11 @@ def summarize(setup: Setup, results: list[RunResult]) -> dict[str, Any]:
     for r in results:
         states[r.state] = states.get(r.state, 0) + 1
     mean_cost = statistics.fmean(costs) if costs else float("nan")
+    failed: dict[str, int] = {}
+    for r in results:
+        if r.state == "FAILED":
+            why = (r.reason.splitlines() or ["no reason recorded"])[0]
+            failed[why] = failed.get(why, 0) + 1
     return {
         "runs": len(results),
         "states": states,
@@ -307,7 +319,8 @@ def summarize(setup: Setup, results: list[RunResult]) -> dict[str, Any]:
         "no_capacity_mean": statistics.fmean(r.no_capacity for r in results) if results else None,
         "failed_runs": sum(1 for r in results if r.state == "FAILED"),
         "runs_with_failover": sum(1 for r in results if r.offers_used > 1),
-        "failed_reasons": sorted({r.reason.splitlines()[0] for r in results if r.state == "FAILED"})[:5],
+        "failed_reasons": sorted(failed)[:5],
+        "failed_reason_runs": {k: failed[k] for k in sorted(failed)[:5]},
         "offers_sold": [o.key() for o in setup.offers],
         "no_capacity_rate": setup.no_capacity,
         "preemption_notice": {k: {"notice_seconds": v["notice_s"], "soft_fraction": v["soft_fraction"]}
@@ -330,6 +343,8 @@ def summarize(setup: Setup, results: list[RunResult]) -> dict[str, Any]:
         "expected_vs_simulated_mean": est.expected_usd / mean_cost if mean_cost else None,
         "estimate_covers_p95": est.cost_usd >= _pct(costs, 0.95),
         "offer": setup.offer.key(),
+        "spot": bool(setup.offer.spot),
+        "spot_choice": setup.plan.spot_choice,
         "price_per_hour": setup.offer.price_per_hour,
         "preemptions_per_hour": setup.rate,
         "nodes": setup.offer.nodes,
@@ -396,15 +411,36 @@ def simulate_job(spec: JobSpec, preemptions_per_hour: float | None, runs: int, s
             spec = resolve_parallel(spec, force=True)
         except SpecError:
             pass
-    if preemptions_per_hour is not None and spec.resources.spot == "prefer":
+    prefer = spec.resources.spot == "prefer"
+    if preemptions_per_hour is not None and prefer:
         # The user asks what spot at this rate would do: simulate the spot side of "prefer"
         # (the plan alone may rank on-demand first, where a preemption rate means nothing).
         spot_spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"spot": True})})
-        if make_plan(spot_spec, preemptions_per_hour=preemptions_per_hour).chosen is not None:
+        spot_plan = make_plan(spot_spec, preemptions_per_hour=preemptions_per_hour)
+        if spot_plan.chosen is not None:
             spec = spot_spec
             note = "resources.spot: prefer with --preemptions-per-hour: simulating the cheapest spot offer"
+        elif preemptions_per_hour > 0:
+            why = "; ".join(spot_plan.refusals) or "no spot offer"
+            raise UsageError(f"{spec.name}: --preemptions-per-hour {preemptions_per_hour:g}: resources.spot: prefer "
+                             f"finds no spot offer to simulate ({why}); on-demand nodes are not preempted: drop "
+                             "the flag, or add a provider that sells spot")
     out = simulate(spec, preemptions_per_hour, runs, seed, **opts)
     out["young_daly"] = compare_young_daly(spec, out, preemptions_per_hour, runs, seed, **opts)
+    if prefer and note is None:
+        note = prefer_note(out)
     if note:
         out["note"] = note
     return spec, out
+
+
+def prefer_note(out: dict[str, Any]) -> str:
+    """What ``spot: prefer`` chose for the simulation and why (the plan's spot-or-on-demand verdict)."""
+    sc = out.get("spot_choice") or {}
+    side = "spot" if out.get("spot") else "on-demand"
+    line = f"resources.spot: prefer: simulating {side} {out['offer']}"
+    if sc.get("why"):
+        line += f": {sc['why']}"
+    if not out.get("spot"):
+        line += " (on-demand is not preempted: 0 preemptions/h; --preemptions-per-hour R simulates the spot side)"
+    return line

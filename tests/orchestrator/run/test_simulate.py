@@ -202,3 +202,66 @@ def test_soft_preemptions_with_enough_notice_lose_no_work(monkeypatch, tmp_path)
     # a notice too short for the emergency checkpoint saves nothing
     short = simulate(_rented(), preemptions_per_hour=2.0, runs=10, seed=5, notice_seconds=0.1, soft_fraction=1.0)
     assert short["soft_preemptions_saved_mean"] == 0
+
+
+def _lambda_job(tmp_path, spot="prefer"):
+    import yaml
+    from pathlib import Path
+
+    d = yaml.safe_load((Path(__file__).resolve().parents[3] / "jobs" / "gpt2-124m.yaml").read_text())
+    d["resources"].update(providers=["lambda"], spot=spot)
+    p = tmp_path / "lambda.yaml"
+    p.write_text(yaml.safe_dump(d, sort_keys=False))
+    return p
+
+
+def test_prefer_without_a_rate_says_it_simulates_on_demand_and_why(capsys, monkeypatch, tmp_path):
+    from orchestrator.cli.app import main
+
+    monkeypatch.setenv("DTRUN_SKY_CATALOG_DIR", str(tmp_path / "none"))
+    assert main(["simulate", str(_lambda_job(tmp_path)), "--runs", "2"]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("resources.spot: prefer: simulating on-demand lambda/")
+    assert "0 preemptions/h" in first and "--preemptions-per-hour" in first
+    assert main(["simulate", str(_lambda_job(tmp_path)), "--runs", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["spot"] is False and d["note"] == first and d["spot_choice"]["won"] == "on-demand"
+
+
+@pytest.mark.parametrize("spot, why", [("prefer", "Lambda sells no spot"), (False, "resources.spot: false")])
+def test_a_preemption_rate_on_an_on_demand_job_is_refused_not_zeroed(capsys, monkeypatch, tmp_path, spot, why):
+    from orchestrator.cli.app import main
+
+    monkeypatch.setenv("DTRUN_SKY_CATALOG_DIR", str(tmp_path / "none"))
+    assert main(["simulate", str(_lambda_job(tmp_path, spot)), "--preemptions-per-hour", "0.5", "--runs", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--preemptions-per-hour 0.5" in err and why in err and "not preempted" in err
+    assert len(err.strip().splitlines()) == 1
+    # a rate of 0 asks nothing of spot: still simulated
+    assert main(["simulate", str(_lambda_job(tmp_path, spot)), "--preemptions-per-hour", "0", "--runs", "2"]) == 0
+
+
+def test_failed_runs_print_their_reason(tmp_path):
+    from orchestrator.plan.spec import spec_to_yaml
+
+    p = tmp_path / "j.yaml"
+    p.write_text(spec_to_yaml(parse_spec(_spec())))
+    r = CliRunner().invoke(app, ["simulate", str(p), "--runs", "4", "--preemptions-per-hour", "1",
+                                 "--no-capacity", "0.99"])
+    assert r.exit_code == 0, r.output
+    assert "outcome     FAILED 3" in r.output
+    assert "failed      3 run(s): gave up after 20 failed launches" in r.output
+
+
+def test_simulate_prints_money_as_the_dry_run_does(tmp_path):
+    from orchestrator.plan.spec import spec_to_yaml
+
+    p = tmp_path / "j.yaml"
+    p.write_text(spec_to_yaml(parse_spec(_spec(trainer={"tokens": 1_000_000_000_000}, budget={"max_usd": 100_000},
+                                               resources={"spot": False}))))
+    r = CliRunner().invoke(app, ["simulate", str(p), "--runs", "1", "--json"])
+    d = json.loads(r.output)
+    assert d["estimate_usd"] > 1000
+    r = CliRunner().invoke(app, ["simulate", str(p), "--runs", "1"])
+    assert f"with 20% buffer ${d['estimate_usd']:,.2f}" in r.output and f"${d['cost_usd_mean']:,.2f}" in r.output
