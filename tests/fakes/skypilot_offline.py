@@ -1,7 +1,7 @@
 """SkyPilot's own code, offline: real catalog rows, enabled clouds, and an SDK stand-in whose
 records are SkyPilot's own classes passed through its client's encode/decode.
 
-* :func:`seed_catalogs` copies ``tests/providers/data/skypilot_catalogs/v8`` (real rows, dated)
+* :func:`seed_catalogs` copies ``tests/fakes/data/skypilot_catalogs/v8`` (real rows, dated)
   to ``<HOME>/.sky/catalogs/v8`` — no ``.meta`` directory, so SkyPilot never refreshes them —
   and points SkyPilot's already-imported catalog modules at them.
 * :func:`enable_clouds` enables RunPod, Lambda and Vast the way SkyPilot's own tests do

@@ -27,7 +27,7 @@ from tests.e2e.clouds.lambdalab import node, runtime
 LAB_DIR = Path(os.environ.get("DTRUN_LAB_DIR", "/var/lib/dtrun-lab/lab"))
 PORT = int(os.environ.get("DTRUN_LAB_PORT", "8787"))
 REPO = Path(__file__).resolve().parents[4]
-REAL_CATALOG = REPO / "tests" / "providers" / "data" / "skypilot_catalogs" / "v8"
+REAL_CATALOG = REPO / "tests" / "fakes" / "data" / "skypilot_catalogs" / "v8"
 REGIONS = ("us-east-1", "us-west-1", "us-south-1")
 """The lab's regions (the real catalog's rows for these; cheapest first is SkyPilot's business)."""
 EXIT_CANNOT = 3
