@@ -163,6 +163,13 @@ class LaunchRequest:
     build ``{"phase": "image", "layer": k, "layers": n, "label": what the layer adds, "since": unix
     time it started, "line": the build's newest log line}``. Providers with nothing to say never
     call it; it must not block."""
+    owner: str | None = None
+    """Who launched it: the launching state store's (or server's) owner id (``StateStore.owner_id``).
+    Providers keep it with the instance where the provider keeps it too (fake: the instance's
+    record; local: its registry; Modal: the sandbox tag ``dtrun_owner``; SkyPilot: the provider's
+    memo of the clusters it launched) and report it in ``list_owned``, so the orphan sweep of one
+    store never terminates another store's nodes on a shared account. Not part of the name: the
+    name stays ``dtrun-<job>-a<N>`` (SkyPilot's cluster-name length limit)."""
 
     @property
     def instance_name(self) -> str:
@@ -213,6 +220,9 @@ class OwnedInstance:
     state: NodeState
     region: str = ""
     created_at: float | None = None
+    owner: str | None = None
+    """``LaunchRequest.owner`` as the provider kept it; None: launched without one (dtrun before
+    owners) or by a provider that does not keep it."""
 
 
 class Provider(ABC):
@@ -223,7 +233,8 @@ class Provider(ABC):
       polls again; never report an instance gone before the provider says so.
     - ``poll`` reports a vanished instance as PREEMPTED unless it was terminated by us (TERMINATED).
     - Every instance carries ``request.instance_name`` (prefix ``dtrun-<job>-``) from creation, so a
-      crash between "created" and "recorded" is caught by ``list_owned``.
+      crash between "created" and "recorded" is caught by ``list_owned``; and ``request.owner``
+      where the provider can keep it, reported back as ``OwnedInstance.owner``.
     - Errors are the hierarchy in ``providers.errors``; only ``Transient`` is retried.
     """
 

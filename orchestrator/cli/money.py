@@ -23,54 +23,89 @@ def _interactive() -> bool:
         return False
 
 
-def cmd_gc(yes: bool, json_out: bool) -> int:
-    """``dtrun gc [--yes] [--json]``: list orphans; terminate them with --yes or after a 'y' at a
-    terminal. Without a terminal and without --yes it only lists (never waits for input).
-    Exit 0 when nothing is left billing that we know of (or listing only), 1 when a terminate
-    was not confirmed or a provider could not be listed."""
+def cmd_gc(yes: bool, json_out: bool, names: list[str] | None = None, all_: bool = False) -> int:
+    """``dtrun gc [NAME…] [--all] [--yes] [--json]``: list orphans — ours (launched by this state
+    store) and not ours (another dtrun home's, or an older dtrun's without an owner id); terminate
+    ours, plus the not-ours ones named (instance name or id) or all of them with ``--all``, with
+    --yes or after a 'y' at a terminal. Without a terminal and without --yes it only lists (never
+    waits for input). Exit 0 when nothing is left billing that we know of (or listing only), 1 when
+    a terminate was not confirmed, a provider could not be listed, or a NAME matched no orphan."""
     from orchestrator.run.state import StateStore
     from orchestrator.run.sweep import gc_providers
 
     store = StateStore()
-    names = gc_providers(store)
+    provs = gc_providers(store)
     try:
-        return _gc(store, names, yes, json_out)
+        return _gc(store, provs, yes, json_out, list(names or []), all_)
     finally:
         from providers import registry
 
         registry.close_all()  # stop SkyPilot's API server if listing started it
 
 
-def _gc(store: StateStore, names: list[str], yes: bool, json_out: bool) -> int:
+def _gc(store: StateStore, provs: list[str], yes: bool, json_out: bool, names: list[str], all_: bool) -> int:
     import typer
 
     from orchestrator.run.sweep import find_orphans, terminate_orphans
 
-    rep = find_orphans(store, names)
-    act = bool(rep.orphans) and (yes or (not json_out and _interactive() and typer.confirm(
-        f"Terminate {len(rep.orphans)} orphan instance(s)?", default=False)))
-    if not rep.orphans and not json_out:
-        typer.echo(f"no orphan instances on {', '.join(names)} ({rep.owned} owned by live jobs)")
-    elif not json_out:
-        typer.echo(f"{len(rep.orphans)} orphan instance(s):")
-        for o in rep.orphans:
-            typer.echo(f"  {o.provider:8} {o.instance.name:32} {o.instance.instance_id:24} {o.why}")
+    rep = find_orphans(store, provs)
+    named = set(names)
+
+    def picked(o: Any) -> bool:
+        if named:  # only what was asked for by name
+            return o.instance.name in named or str(o.instance.instance_id) in named
+        return all_ or o.ours
+
+    unmatched = sorted(n for n in named if not any(n in (o.instance.name, str(o.instance.instance_id))
+                                                    for o in rep.orphans))
+    targets = [o for o in rep.orphans if picked(o)]
+    others = sum(not o.ours for o in targets)
+    what = f"{len(targets)} orphan instance(s)" + (f", {others} of them NOT launched by this dtrun home" if others else "")
+    act = bool(targets) and (yes or (not json_out and _interactive() and typer.confirm(
+        f"Terminate {what}?", default=False)))
+    if not json_out:
+        _print_orphans(rep, provs)
     if act:
-        terminate_orphans(store, rep)
+        terminate_orphans(store, rep, which=picked)
         if not json_out:
-            for o in rep.orphans:
+            for o in targets:
                 typer.echo(f"  {o.instance.name}: {o.outcome}{(' — ' + o.error) if o.error else ''}")
-    elif rep.orphans and not json_out:
-        typer.echo("listed only; run `dtrun gc --yes` to terminate them")
+    elif targets and not json_out:
+        typer.echo("listed only; run `dtrun gc --yes` to terminate ours"
+                   + (" (and the ones named)" if named else ""))
+    if not json_out and not named and not all_ and any(not o.ours for o in rep.orphans):
+        typer.echo("not ours: left alone; `dtrun gc <name>` or `dtrun gc --all` terminates them (asks first; "
+                   "--yes without a terminal) — make sure nobody else's run still needs them")
+    for n in unmatched:
+        if not json_out:
+            typer.echo(f"error: no orphan instance named {n!r}", err=True)
     for prov, err in rep.errors.items():
         if not json_out:
             typer.echo(f"warning: could not list {prov}: {err}", err=True)
-    failed = bool(rep.errors) or any(o.outcome in ("not_confirmed", "error") for o in rep.orphans)
+    failed = (bool(rep.errors) or bool(unmatched)
+              or any(o.outcome in ("not_confirmed", "error") for o in rep.orphans))
     if json_out:
         d = rep.to_dict()
-        d.update(providers=names, terminated_requested=act)
+        d.update(providers=provs, terminated_requested=act, unmatched=unmatched)
         typer.echo(json.dumps(d, sort_keys=True))
     return EXIT_JOB_FAILED if failed else EXIT_OK
+
+
+def _print_orphans(rep: Any, provs: list[str]) -> None:
+    import typer
+
+    ours = [o for o in rep.orphans if o.ours]
+    theirs = [o for o in rep.orphans if not o.ours]
+    if not ours:
+        typer.echo(f"no orphan instances on {', '.join(provs)} ({rep.owned} owned by live jobs)")
+    else:
+        typer.echo(f"{len(ours)} orphan instance(s):")
+        for o in ours:
+            typer.echo(f"  {o.provider:8} {o.instance.name:32} {o.instance.instance_id:24} {o.why}")
+    if theirs:
+        typer.echo(f"{len(theirs)} instance(s) not ours:")
+        for o in theirs:
+            typer.echo(f"  {o.provider:8} {o.instance.name:32} {o.instance.instance_id:24} {o.why}")
 
 
 # ---- dtrun cost -----------------------------------------------------------------------------------
@@ -188,11 +223,14 @@ app = typer.Typer()
 
 @app.command()
 def gc(
+    names: Annotated[Optional[list[str]], typer.Argument(
+        help="Terminate only these instances (name or id), also ones not ours.")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Also terminate instances not ours.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Terminate without asking.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Find provider instances with dtrun's name prefix that no live job owns, and terminate them."""
-    raise typer.Exit(cmd_gc(yes=yes, json_out=json_out))
+    """Find instances with dtrun's name prefix that no live job owns; terminate ours (and others named or --all)."""
+    raise typer.Exit(cmd_gc(yes=yes, json_out=json_out, names=names, all_=all_))
 
 
 @app.command()

@@ -241,4 +241,4 @@ class Launcher:
                              command=command, env=env, deadline=deadline,
                              workdir=str(REPO_ROOT), log_path=log_path, secrets=dict(node_secrets or {}),
                              cpu_per_gpu=s.resources.cpu_per_gpu, memory_gb_per_gpu=s.resources.memory_gb_per_gpu,
-                             image=node_image(s, offer.provider))
+                             image=node_image(s, offer.provider), owner=self.ctx.store.owner_id)

@@ -35,6 +35,7 @@ from typing import Any, Iterable
 
 # dtrun_home: where dtrun keeps its files; many callers import it from here
 from orchestrator.run.statedb import StateStoreError, columns, connect, default_path, dtrun_home  # noqa: F401
+from orchestrator.run.statedb import owner_id as _owner_id
 
 ACTIVE_STATES = ("PENDING", "PROVISIONING", "RUNNING", "RECOVERING", "STOPPING")
 TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED", "OVER_BUDGET")
@@ -119,6 +120,15 @@ class StateStore:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+    @property
+    def owner_id(self) -> str:
+        """This store's stable owner id (made once, kept in the store): every node it launches
+        carries it, and its orphan sweep touches only instances that carry it."""
+        if getattr(self, "_owner", None) is None:
+            with self._write() as conn:
+                self._owner = _owner_id(conn)
+        return self._owner
 
     @staticmethod
     def _sets(cols: dict[str, Any], allowed: set[str]) -> tuple[str, list[Any]]:

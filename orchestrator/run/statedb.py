@@ -19,6 +19,9 @@ Tables
 ``events``    timestamped, typed log lines per job (``state``, ``launch``, ``preempted``, …).
 ``spend``     one row per attempt: price per hour actually rented, seconds billed, USD booked,
               billed from/until. Provisioning time is included (billing starts at launch).
+``meta``      key/value facts about the store itself: ``owner_id``, generated once when first asked
+              (``owner_id()``), which every node this store launches carries (``LaunchRequest.owner``)
+              so the orphan sweep tells this store's instances from another's on a shared account.
 """
 
 from __future__ import annotations
@@ -131,6 +134,10 @@ CREATE TABLE IF NOT EXISTS spend (
     closed INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (job, attempt)
 );
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
 """
 
 _ADDED_COLS = {
@@ -176,6 +183,15 @@ def connect(path: str) -> sqlite3.Connection:
             except OSError:
                 pass
     return conn
+
+
+def owner_id(conn: sqlite3.Connection) -> str:
+    """This store's owner id: 12 hex digits made the first time it is asked and kept in ``meta``
+    (two processes asking at once get the same one: the first insert wins)."""
+    import uuid
+
+    conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('owner_id', ?)", (uuid.uuid4().hex[:12],))
+    return str(conn.execute("SELECT value FROM meta WHERE key = 'owner_id'").fetchone()[0])
 
 
 def columns(conn: sqlite3.Connection, table: str) -> set[str]:

@@ -20,9 +20,17 @@ Orphans
     ``TerminateNotConfirmed`` until the provider confirms) and marks matching node rows
     terminated only then. The controller runs it at every start; ``dtrun gc`` runs it on demand.
 
-    Scope: one state store (``$DTRUN_HOME``) per cloud account. Two dtrun homes sharing one
-    account would see each other's instances as orphans — ``dtrun gc`` lists before it
-    terminates (without ``--yes`` and without a terminal it only lists).
+Ours and not ours
+    One cloud account may serve several state stores (two people, a laptop and a CI runner): every
+    node carries its store's owner id (``StateStore.owner_id`` → ``LaunchRequest.owner``, kept by
+    the provider: fake record, local registry, Modal tag, SkyPilot memo in this ``$DTRUN_HOME``).
+    An orphan is **ours** when it carries our owner id, or carries none but this store recorded it
+    (a node launched by this store with dtrun before owners). Everything else is **not ours**:
+    another store's (whatever its state — its controller may be asleep, not gone) or an unowned
+    instance this store never recorded (launched by an older dtrun, from here or elsewhere: we
+    cannot tell, so we leave it). The automatic sweep terminates only ours; ``dtrun gc`` lists
+    the others as "not ours" and terminates them only when named (``dtrun gc <name>``) or with
+    ``--all``, after a confirmation (``--yes`` where there is no terminal).
 """
 
 from __future__ import annotations
@@ -54,12 +62,15 @@ class Orphan:
     outcome: str = "listed"
     """listed | terminated | not_confirmed | error"""
     error: str = ""
+    ours: bool = True
+    """Launched by this state store (see "Ours and not ours"); only ours are swept automatically."""
 
     def to_dict(self) -> dict[str, Any]:
         i = self.instance
         return {"provider": self.provider, "name": i.name, "instance_id": i.instance_id, "region": i.region,
                 "state": getattr(i.state, "value", str(i.state)), "created_at": i.created_at, "job": self.job,
-                "why": self.why, "outcome": self.outcome, "error": self.error}
+                "why": self.why, "outcome": self.outcome, "error": self.error, "ours": self.ours,
+                "owner": i.owner}
 
 
 @dataclass
@@ -72,6 +83,7 @@ class SweepReport:
     def to_dict(self) -> dict[str, Any]:
         return {"orphans": [o.to_dict() for o in self.orphans], "owned": self.owned, "errors": self.errors,
                 "terminated": sum(o.outcome == "terminated" for o in self.orphans),
+                "not_ours": sum(not o.ours for o in self.orphans),
                 "not_confirmed": sum(o.outcome in ("not_confirmed", "error") for o in self.orphans)}
 
 
@@ -128,6 +140,19 @@ def classify(store: StateStore, provider: str, inst: OwnedInstance) -> tuple[boo
     return False, job_name, f"job {job_name} is {job['state']} but never recorded this instance"
 
 
+def is_ours(store: StateStore, provider: str, inst: OwnedInstance) -> tuple[bool, str]:
+    """(ours, why not) for an instance with dtrun's prefix (see "Ours and not ours")."""
+    if inst.owner is not None:
+        if inst.owner == store.owner_id:
+            return True, ""
+        return False, f"not ours: launched by another dtrun home or server (owner {inst.owner})"
+    for nd in store.nodes(job_of_instance(inst.name) or ""):
+        if nd["provider"] == provider and str(nd["instance_id"]) == str(inst.instance_id):
+            return True, ""
+    return False, ("not ours: carries no owner id (launched by dtrun before owners, from this home or "
+                   "another) and this state store never recorded it")
+
+
 def _call(fn: Callable[[], Any], clock: Any, what: str) -> Any:
     """Call ``fn``, retrying Transient with backoff (1, 2, 4, 8 s)."""
     for i in range(TRANSIENT_TRIES):
@@ -182,15 +207,21 @@ def find_orphans(store: StateStore, provider_names: Iterable[str | Provider], *,
             owned, job, why = classify(store, name, inst)
             if owned:
                 rep.owned += 1
-            else:
-                rep.orphans.append(Orphan(name, inst, job, why))
+                continue
+            ours, whose = is_ours(store, name, inst)
+            rep.orphans.append(Orphan(name, inst, job, why) if ours else Orphan(name, inst, job, whose, ours=False))
     return rep
 
 
 def terminate_orphans(store: StateStore, rep: SweepReport, *, providers: dict[str, Provider] | None = None,
-                      clock: Any = None, timeout: float = CONFIRM_TIMEOUT_S) -> None:
+                      clock: Any = None, timeout: float = CONFIRM_TIMEOUT_S,
+                      which: Callable[[Orphan], bool] | None = None) -> None:
+    """Terminate the report's orphans that are ours (or those ``which`` picks: `dtrun gc <name>` /
+    ``--all`` pick others too), confirmed; books and marks rows only for jobs in this store."""
     clock = clock or RealClock()
     for o in rep.orphans:
+        if not (which(o) if which is not None else o.ours):
+            continue
         _, prov = _resolve(o.provider, providers)
         i = o.instance
         handle = Handle(provider=o.provider, name=i.name, instance_id=i.instance_id, region=i.region,
@@ -246,14 +277,14 @@ def sweep_orphans(store: StateStore, provider_names: Iterable[str | Provider], d
                   providers: dict[str, Provider] | None = None, clock: Any = None,
                   timeout: float = CONFIRM_TIMEOUT_S) -> list[OwnedInstance]:
     """Find (and unless ``dry_run`` terminate, confirmed) every instance with dtrun's prefix on
-    these providers that no live job owns; returns them. ``provider_names`` may hold names or
+    these providers that is ours and no live job owns; returns them (never another store's). ``provider_names`` may hold names or
     Provider instances; ``providers`` maps names to instances to use instead of the registry
     (the controller passes its own, e.g. an in-memory fake cloud). A provider that cannot be
     listed is skipped (see ``find_orphans`` for the reasons)."""
     rep = find_orphans(store, provider_names, providers=providers, clock=clock)
     if not dry_run and rep.orphans:
         terminate_orphans(store, rep, providers=providers, clock=clock, timeout=timeout)
-    return [o.instance for o in rep.orphans]
+    return [o.instance for o in rep.orphans if o.ours]
 
 
 # ---- dtrun gc -------------------------------------------------------------------------------------

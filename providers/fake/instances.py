@@ -81,7 +81,7 @@ def create(st: dict[str, Any], request: LaunchRequest, now: float) -> dict[str, 
     price = offer.price_per_gpu_hour * offer.gpus_per_node * request.nodes
     ready_at = now + float(cfg["provision_seconds"])
     r: dict[str, Any] = {
-        "id": iid, "seq": st["seq"], "name": request.instance_name, "job": request.job,
+        "id": iid, "seq": st["seq"], "name": request.instance_name, "job": request.job, "owner": request.owner,
         "attempt": request.attempt, "offer": offer.to_dict(), "offer_key": offer.key(),
         "region": offer.region, "spot": offer.spot, "nodes": request.nodes, "price_per_hour": price,
         "env": {k: v for k, v in request.env.items() if not SECRET_RE.search(k)},

@@ -225,7 +225,8 @@ class FakeProvider(Provider):
 
     def list_owned(self, prefix: str = NAME_PREFIX) -> list[OwnedInstance]:
         with self._op("list_owned") as (st, _now):
-            return [OwnedInstance(r["name"], r["id"], inst.node_state(r), r["region"], r["created_at"])
+            return [OwnedInstance(r["name"], r["id"], inst.node_state(r), r["region"], r["created_at"],
+                                  r.get("owner"))
                     for r in inst.ordered(st) if r["gone_at"] is None and r["name"].startswith(prefix)]
 
     def logs(self, handle: Handle, tail: int = 200) -> str:

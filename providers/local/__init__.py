@@ -186,7 +186,7 @@ class LocalProvider(Provider):
         pid = proc.pid
         data = {"pid": pid, "pgid": pid, "log_path": str(log_path), "exit_path": str(exit_path),
                 "starttime": _starttime(pid)}
-        rec = {"id": iid, "name": name, "created_at": now, "terminated_at": None,
+        rec = {"id": iid, "name": name, "owner": request.owner, "created_at": now, "terminated_at": None,
                "term_sent_at": None, "killed_at": None, **data}
         with self._registry() as reg:
             reg["instances"][iid] = rec
@@ -250,7 +250,7 @@ class LocalProvider(Provider):
         for r in sorted(recs, key=lambda r: r["created_at"]):
             if r["name"].startswith(prefix) and self._group_alive(r):
                 state = NodeState.RUNNING if r.get("terminated_at") is None else NodeState.TERMINATED
-                out.append(OwnedInstance(r["name"], r["id"], state, "local", r["created_at"]))
+                out.append(OwnedInstance(r["name"], r["id"], state, "local", r["created_at"], r.get("owner")))
         return out
 
     def logs(self, handle: Handle, tail: int = 200) -> str:

@@ -279,7 +279,8 @@ class ModalProvider(Provider):
         return SandboxSpec(
             name=request.instance_name, command=list(request.command), env=env,
             gpu=f"{MODAL_GPUS[offer.gpu]}:{gpus}", timeout=timeout,
-            tags={**TAG, "dtrun_job": request.job, "dtrun_name": request.instance_name},
+            tags={**TAG, "dtrun_job": request.job, "dtrun_name": request.instance_name,
+                  **({"dtrun_owner": request.owner} if request.owner else {})},
             region=None if offer.region in ("", "any") else offer.region, workdir=request.workdir,
             cpu=cpu, memory_mb=mem, base_image=getattr(request, "image", None), gpu_wait=self.gpu_wait_seconds,
             deadline=request.deadline,
@@ -421,7 +422,8 @@ class ModalProvider(Provider):
             recs: list[SandboxRecord] = self.api.list(dict(TAG))
         except Exception as e:
             raise map_modal_error(e) from None
-        return [OwnedInstance(r.name, r.id, NodeState.RUNNING, "") for r in recs if r.name.startswith(prefix)]
+        return [OwnedInstance(r.name, r.id, NodeState.RUNNING, "", owner=(r.tags or {}).get("dtrun_owner"))
+                for r in recs if r.name.startswith(prefix)]
 
     def logs(self, handle: Handle, tail: int = 200) -> str:
         """The sandbox's stdout and stderr; the end reason first when Modal gave one (OOM…)."""

@@ -130,7 +130,7 @@ class SkyPilotProvider(Provider):
         self.check_credentials()
         cfg = self.task_config(request)
         cluster = request.instance_name
-        self._memo(cluster, cloud=self.cloud, job_state=None, terminated=False, ever_up=False)
+        self._memo(cluster, cloud=self.cloud, job_state=None, terminated=False, ever_up=False, owner=request.owner)
         started = time.time()  # billing may start as soon as the request is sent
         try:
             job_id = self.api.launch(cfg, cluster, self.idle_minutes)
@@ -237,16 +237,18 @@ class SkyPilotProvider(Provider):
         except Exception as e:
             raise map_sky_error(e, self.cloud) from None
         out = []
+        with locked_json(self._memo_path) as data:
+            memo = {k: dict(v) for k, v in data.items() if isinstance(v, dict)}
         for r in recs:
             if not r.name.startswith(prefix) or (r.cloud and r.cloud != self.cloud):
                 continue
-            if not r.cloud:  # unknown cloud: ours only if we launched it from here
-                with locked_json(self._memo_path) as data:
-                    if data.get(r.name, {}).get("cloud") != self.cloud:
-                        continue
+            if not r.cloud and memo.get(r.name, {}).get("cloud") != self.cloud:
+                continue  # unknown cloud: ours only if we launched it from here
             state = {"UP": NodeState.RUNNING, "AUTOSTOPPING": NodeState.RUNNING, "INIT": NodeState.PENDING,
                      "PENDING": NodeState.PENDING}.get(r.status, NodeState.PREEMPTED)
-            out.append(OwnedInstance(r.name, r.name, state, "", r.launched_at))
+            # The owner is what this dtrun home's memo kept at launch (SkyPilot keeps no tags on
+            # RunPod/Lambda/Vast); a cluster this home never launched has none: not ours.
+            out.append(OwnedInstance(r.name, r.name, state, "", r.launched_at, memo.get(r.name, {}).get("owner")))
         return out
 
     def _save_log(self, cluster: str, job_id: int | None) -> None:

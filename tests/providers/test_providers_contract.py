@@ -28,6 +28,19 @@ def test_launch_running_terminate_list_owned_empty(penv):
     assert p.poll(h) is NodeState.TERMINATED
 
 
+def test_the_owner_id_is_kept_with_the_instance_and_listed(penv):
+    # issue 33 item 2: the orphan sweep of one state store tells its nodes from another's by it
+    p = penv.provider
+    h = p.launch(penv.request(owner="0123abcd4567"))
+    h2 = p.launch(penv.request(attempt=2))  # launched without one (dtrun before owners)
+    penv.to_running(h)
+    penv.to_running(h2)
+    owners = {o.name: o.owner for o in p.list_owned("dtrun-ctest-")}
+    assert owners == {"dtrun-ctest-a1": "0123abcd4567", "dtrun-ctest-a2": None}
+    p.terminate(h)
+    p.terminate(h2)
+
+
 def test_preemption_is_reported_as_preempted(penv):
     p = penv.provider
     h = p.launch(penv.request())

@@ -187,7 +187,7 @@ def test_gc_catches_a_ghost_of_a_finished_job(world_factory):
     from providers.base import LaunchRequest, Offer
 
     w.cloud.launch(LaunchRequest(job="chaos", attempt=9, offer=Offer("fake", "fake-east", "H100", 1, False, 2.49),
-                                 nodes=1, command=["x"]))
+                                 nodes=1, command=["x"], owner=w.store.owner_id))  # launched by this store
     swept = sweep_orphans(w.store, ["fake"], providers={"fake": w.cloud}, clock=w.clock)
     assert [i.name for i in swept] == ["dtrun-chaos-a9"]
     assert w.cloud.running_instances() == []

@@ -21,9 +21,10 @@ from providers.fake import FakeProvider, shared_cloud
 OFFER = Offer("fake", "fake-east", "H100", 8, False, 2.49, price_source="fake cloud")
 
 
-def _launch(cloud: FakeProvider, job: str, attempt: int):
+def _launch(cloud: FakeProvider, job: str, attempt: int, owner: str | None):
+    """An instance as a controller of the store with ``owner`` id launches it (None: an older dtrun's)."""
     req = LaunchRequest(job=job, attempt=attempt, offer=OFFER, nodes=1, command=["true"],
-                        env={"DTRUN_RUN_URI": "file:///nowhere"})
+                        env={"DTRUN_RUN_URI": "file:///nowhere"}, owner=owner)
     return cloud.launch(req)
 
 
@@ -47,6 +48,15 @@ def world(tmp_path):
     store.close()
 
 
+def _home_owner() -> str:
+    """The owner id of the store in ``$DTRUN_HOME`` (what `dtrun gc` opens)."""
+    st = StateStore()
+    try:
+        return st.owner_id
+    finally:
+        st.close()
+
+
 def _live(cloud):
     return sorted(i.name for i in cloud.running_instances())
 
@@ -55,11 +65,11 @@ def test_unknown_and_finished_jobs_are_orphans_live_nodes_are_not(world):
     clock, cloud, store = world
     _job(store, "alive")
     _job(store, "finished", "SUCCEEDED")
-    h_alive = _launch(cloud, "alive", 1)
+    h_alive = _launch(cloud, "alive", 1, store.owner_id)
     _record(store, "alive", 1, h_alive, clock.now())
-    h_fin = _launch(cloud, "finished", 1)
+    h_fin = _launch(cloud, "finished", 1, store.owner_id)
     nid = _record(store, "finished", 1, h_fin, clock.now())  # recorded, never confirmed terminated
-    _launch(cloud, "stranger", 4)  # a job this store never heard of
+    _launch(cloud, "stranger", 4, store.owner_id)  # a job this store never heard of
     clock.advance(600)
 
     swept = sweep_orphans(store, ["fake"], providers={"fake": cloud}, clock=clock)
@@ -78,7 +88,7 @@ def test_created_but_never_recorded_is_swept_by_its_own_controller(world):
     clock, cloud, store = world
     _job(store, "crashy", "PROVISIONING")
     store.claim_controller("crashy", pid=os.getpid())
-    _launch(cloud, "crashy", 1)  # launch returned, the controller died before add_node
+    _launch(cloud, "crashy", 1, store.owner_id)  # launch returned, the controller died before add_node
     swept = sweep_orphans(store, ["fake"], providers={"fake": cloud}, clock=clock)
     assert [i.name for i in swept] == ["dtrun-crashy-a1"]
     assert _live(cloud) == []
@@ -90,7 +100,7 @@ def test_unrecorded_instance_of_another_live_controller_is_left_alone(world):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         store.claim_controller("busy", pid=other.pid)
-        _launch(cloud, "busy", 1)
+        _launch(cloud, "busy", 1, store.owner_id)
         assert sweep_orphans(store, ["fake"], providers={"fake": cloud}, clock=clock) == []
         store.new_attempt("busy", 1, OFFER.to_dict(), "fake", 0.0)  # LAUNCHING: may be recorded yet
         assert sweep_orphans(store, ["fake"], providers={"fake": cloud}, clock=clock) == []
@@ -111,7 +121,7 @@ def test_unrecorded_instance_of_another_live_controller_is_left_alone(world):
 def test_node_from_an_earlier_run_of_a_restarted_job_is_an_orphan(world):
     clock, cloud, store = world
     _job(store, "again", "RUNNING")
-    h = _launch(cloud, "again", 1)
+    h = _launch(cloud, "again", 1, store.owner_id)
     _record(store, "again", 1, h, clock.now())
     store.set_state("again", "FAILED", "x")
     store.create_job("again", "name: again\n", "file:///nowhere", providers=["fake"])  # a new `dtrun up`
@@ -120,7 +130,7 @@ def test_node_from_an_earlier_run_of_a_restarted_job_is_an_orphan(world):
 
 def test_dry_run_lists_only(world):
     clock, cloud, store = world
-    _launch(cloud, "ghost", 1)
+    _launch(cloud, "ghost", 1, store.owner_id)
     assert [i.name for i in sweep_orphans(store, ["fake"], dry_run=True, providers={"fake": cloud})] == ["dtrun-ghost-a1"]
     assert _live(cloud) == ["dtrun-ghost-a1"]
 
@@ -128,7 +138,7 @@ def test_dry_run_lists_only(world):
 def test_terminate_failing_transiently_is_retried_until_confirmed(world):
     clock, cloud, store = world
     cloud.configure(terminate_seconds=240)
-    _launch(cloud, "ghost", 1)
+    _launch(cloud, "ghost", 1, store.owner_id)
     cloud.inject("terminate", "Transient", count=3)
     t0 = clock.now()
     swept = sweep_orphans(store, ["fake"], providers={"fake": cloud}, clock=clock)
@@ -142,7 +152,7 @@ def test_terminate_failing_transiently_is_retried_until_confirmed(world):
 def test_unconfirmed_terminate_is_reported_not_hidden(world):
     clock, cloud, store = world
     cloud.configure(terminate_seconds=10_000)
-    _launch(cloud, "ghost", 1)
+    _launch(cloud, "ghost", 1, store.owner_id)
     rep = find_orphans(store, ["fake"], providers={"fake": cloud}, clock=clock)
     from orchestrator.run.sweep import terminate_orphans
 
@@ -152,7 +162,7 @@ def test_unconfirmed_terminate_is_reported_not_hidden(world):
 
 def test_listing_errors_are_reported_and_other_providers_still_swept(world):
     clock, cloud, store = world
-    _launch(cloud, "ghost", 1)
+    _launch(cloud, "ghost", 1, store.owner_id)
     cloud.inject("list_owned", "AuthError", count=1)
     rep = find_orphans(store, ["fake", "nonesuch"], providers={"fake": cloud}, clock=clock)
     assert "fake" in rep.errors and "nonesuch" in rep.errors
@@ -170,7 +180,7 @@ def shared(dtrun_home):
 
 
 def test_gc_without_tty_or_yes_lists_only_then_yes_terminates(shared):
-    _launch(shared, "ghost", 2)
+    _launch(shared, "ghost", 2, _home_owner())
     r = CliRunner().invoke(app, ["gc"])
     assert r.exit_code == 0, r.output
     assert "dtrun-ghost-a2" in r.output and "listed only" in r.output
@@ -188,7 +198,7 @@ def test_gc_without_tty_or_yes_lists_only_then_yes_terminates(shared):
 
 
 def test_gc_as_a_subprocess_never_waits_for_input(shared, dtrun_home):
-    _launch(shared, "ghost", 1)
+    _launch(shared, "ghost", 1, _home_owner())
     env = {**os.environ, "DTRUN_HOME": str(dtrun_home)}
     r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "gc"], env=env, capture_output=True, text=True,
                        timeout=60, stdin=subprocess.DEVNULL)
@@ -204,7 +214,7 @@ def test_a_live_node_whose_controller_died_on_this_host_is_an_orphan_for_gc(worl
 
     clock, cloud, store = world
     _job(store, "dead")
-    _record(store, "dead", 1, _launch(cloud, "dead", 1), clock.now())
+    _record(store, "dead", 1, _launch(cloud, "dead", 1, store.owner_id), clock.now())
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid no longer alive: the SIGKILLed controller
     store.update_job("dead", controller_pid=gone.pid, controller_host=HOST)
