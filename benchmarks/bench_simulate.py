@@ -24,7 +24,7 @@ Re-measured 2026-12-01 with the snapshot's start-up figures (vast, prebuilt imag
   expected $13.28 vs mean $13.37, buffered $17.33 ≥ p95 $15.85, goodput 79.4 %, 0 orphans.
 ``--scenario long``, 200 runs, 2026-12-01: prebuilt image 200/200 SUCCEEDED, goodput 0.878,
   expected $218.03 vs mean $218.37, buffered $261.64 ≥ p95 $229.36, 0 orphans; reinstall on
-  every start: goodput 0.817, mean $235.04. (README, Benchmarks.)
+  every start: goodput 0.817, mean $235.04. (docs/benchmarks.md.)
 
 Usage: python benchmarks/bench_simulate.py [--runs 200] [--rate 1.0] [--seed 0] [--job PATH]
        python benchmarks/bench_simulate.py --scenario long [--runs 200]

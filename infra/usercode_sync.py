@@ -108,7 +108,7 @@ class CheckpointSync:
             runuri.put_file(src, runuri.join(dst, rel))
             return os.path.getsize(src)
 
-        try:  # the folder's files in parallel streams (one stream is store-bound: README benchmarks)
+        try:  # the folder's files in parallel streams (one stream is store-bound: docs/benchmarks.md)
             with ThreadPoolExecutor(max_workers=max(1, min(UPLOAD_STREAMS, len(files)))) as pool:
                 nbytes = sum(pool.map(put, files))
         except FileNotFoundError:

@@ -1,6 +1,6 @@
 """A plain PyTorch training script that gets every dtrun guarantee without importing dtrun.
 
-It follows the node contract (README "Your own training code") by hand, through the ``marker``
+It follows the node contract (docs/user-code.md) by hand, through the ``marker``
 checkpoint format:
 
 * checkpoints go to ``$DTRUN_CHECKPOINT_DIR/step-N/`` (model + optimizer + step), and a

@@ -1,6 +1,6 @@
 """One exception hierarchy for the CLI, turned into a message and an exit code in one place.
 
-Exit codes (documented in the README):
+Exit codes (documented in docs/commands.md):
 
 ====  ==========================================================================================
 0     success (dry run within budget, job SUCCEEDED, command done)

@@ -229,7 +229,7 @@ DEFAULT_LOSS_PATTERN = r"(?i)['\"]?\bloss\b['\"]?\s*[=:]?\s*([-+]?\d+(?:\.\d*)?(
 
 class Command(_Model):
     """Your own training code instead of the bundled trainer (``command:`` replaces ``trainer:``).
-    The node contract (README "Your own training code"): ``DTRUN_CHECKPOINT_DIR`` holds the newest
+    The node contract (docs/user-code.md): ``DTRUN_CHECKPOINT_DIR`` holds the newest
     COMMITTED checkpoint before the command starts; what the script saves there is uploaded and
     committed; SIGTERM means "checkpoint now"; exit 75 means "checkpointed, resume me"."""
 
