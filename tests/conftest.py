@@ -75,10 +75,15 @@ def write_provider_credentials(home, clouds=("runpod", "lambda", "vast")) -> Non
 @pytest.fixture
 def provider_credentials(tmp_path, monkeypatch):
     """A HOME where every provider is usable (placeholder keys in the files SkyPilot reads, Modal
-    tokens in the environment), so offers are not refused for missing credentials."""
+    tokens in the environment), so offers are not refused for missing credentials; and a
+    placeholder AWS profile in ``~/.aws/credentials``, so an ``s3://`` job's dry run finds the
+    object store's keys as a user who can rent would (variables, as ``s3_server`` sets, win)."""
     home = tmp_path / "user-home"
     home.mkdir(exist_ok=True)
     write_provider_credentials(home)
+    (home / ".aws").mkdir(exist_ok=True)
+    (home / ".aws" / "credentials").write_text(
+        "[default]\naws_access_key_id = AKIAPLACEHOLDER\naws_secret_access_key = placeholder\n")
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("MODAL_TOKEN_ID", "ak-placeholder")
     monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-placeholder")

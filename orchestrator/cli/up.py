@@ -48,7 +48,7 @@ def cmd_dry_run(job: Path, json_out: bool, strict: bool = False, force: bool = F
     from orchestrator.plan.spec import load_spec
     from orchestrator.run.datacheck import check_data_vocab
     from orchestrator.run.prepare import prepare
-    from orchestrator.run.uricheck import check_offline
+    from orchestrator.run.uricheck import check_offline, check_s3_credentials_offline
 
     spec = load_spec(job)
     check_offline(spec, str(job))  # malformed, unusable scheme, unwritable run folder, no shards: exit 6
@@ -59,6 +59,9 @@ def cmd_dry_run(job: Path, json_out: bool, strict: bool = False, force: bool = F
     report = plan_report(spec, plan)
     report["price_refresh"] = refreshed
     code = verdict_exit_code(spec, plan, report, strict, force)
+    if code == EXIT_OK and plan.chosen is not None:
+        # What `dtrun up` refuses next (exit 5 for rented nodes, 6 here), without the network.
+        check_s3_credentials_offline(spec, plan.chosen.provider, str(job))
     if force and report.get("does_not_fit"):
         report["warnings"] = [FORCE_WARNING]
     if json_out:

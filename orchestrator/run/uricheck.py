@@ -11,6 +11,11 @@ and the fix, exit 6 (``UriRefused``), never an internal error after provisioning
 * local training data with no token shards (no ``.bin``/``.npy`` where ``trainer.data``
   points, or only validation shards).
 
+:func:`check_s3_credentials_offline` (the dry run, after the budget verdict): ``s3://`` URIs with
+nowhere for boto3's credential chain to take keys from (the variables, the profile's files, a
+container or web identity, an EC2 instance), checked without the network or boto3; the message and
+exit code are ``dtrun up``'s.
+
 :func:`check_online` (``dtrun up`` only, after the provider checks): ``s3://`` URIs without AWS
 credentials (naming what to set), then a probe of the run URI (write, read, list, delete one
 object) and the data URI's shards where they are remote.
@@ -171,6 +176,86 @@ def s3_credentials_problem(spec: Any) -> Problem | None:
         return None
     field, uri = s3[0]
     return Problem(field, uri, f"{field}: {uri} is on S3 and no AWS credentials were found; {nodecreds.HOW}")
+
+
+# Where boto3's credential chain finds keys, as far as this machine can tell without the network
+# (`offline_s3_credentials`): the variables, the profile's sections, a container or web identity.
+_PROFILE_KEYS = ("aws_access_key_id", "credential_process", "sso_session", "sso_start_url", "role_arn",
+                 "web_identity_token_file")
+_CHAIN_VARS = ("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+               "AWS_WEB_IDENTITY_TOKEN_FILE")
+
+
+def _profile_has_credentials(environ: Any) -> bool:
+    """The selected profile (``AWS_PROFILE``, ``AWS_DEFAULT_PROFILE``, else ``default``) has keys in
+    the shared credentials file, or keys / a credential process / SSO / a role in the config file."""
+    import configparser
+
+    profile = environ.get("AWS_PROFILE") or environ.get("AWS_DEFAULT_PROFILE") or "default"
+    files = ((environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials", (profile,)),
+             (environ.get("AWS_CONFIG_FILE") or "~/.aws/config", (f"profile {profile}", profile)))
+    for path, sections in files:
+        cp = configparser.RawConfigParser()
+        try:
+            cp.read(os.path.expanduser(path))
+        except (configparser.Error, OSError, UnicodeDecodeError):
+            continue
+        for sec in sections:
+            if cp.has_section(sec) and any((cp.get(sec, k, fallback="") or "").strip() for k in _PROFILE_KEYS):
+                return True
+    return False
+
+
+def _maybe_instance_role(environ: Any) -> bool:
+    """On an EC2 instance an instance role may supply keys; only `dtrun up` can ask it (network)."""
+    if (environ.get("AWS_EC2_METADATA_DISABLED") or "").lower() == "true":
+        return False
+    for f in ("/sys/devices/virtual/dmi/id/board_vendor", "/sys/devices/virtual/dmi/id/sys_vendor",
+              "/sys/hypervisor/uuid"):
+        try:
+            with open(f, encoding="ascii", errors="replace") as fh:
+                text = fh.read(64).strip().lower()
+        except OSError:
+            continue
+        if "amazon ec2" in text or text.startswith("ec2"):
+            return True
+    return False
+
+
+def offline_s3_credentials(environ: Any = None) -> bool:
+    """Whether boto3's credential chain has somewhere to take keys from, checked without the
+    network and without boto3: ``AWS_ACCESS_KEY_ID`` + ``AWS_SECRET_ACCESS_KEY``; a container or
+    web-identity credential variable; the selected profile in ``~/.aws/credentials`` or
+    ``~/.aws/config`` (keys, ``credential_process``, SSO, ``role_arn``); an EC2 instance (its role).
+    ``dtrun up`` then resolves the chain for real (``check_online``)."""
+    environ = os.environ if environ is None else environ
+    if environ.get("AWS_ACCESS_KEY_ID") and environ.get("AWS_SECRET_ACCESS_KEY"):
+        return True
+    if any(environ.get(v) for v in _CHAIN_VARS):
+        return True
+    return _profile_has_credentials(environ) or _maybe_instance_role(environ)
+
+
+def check_s3_credentials_offline(spec: Any, provider: str | None, source: str) -> None:
+    """The dry run's check of the object store's credentials (offline: :func:`offline_s3_credentials`),
+    with the message and exit code ``dtrun up`` gives: for nodes rented elsewhere, exit 5 as
+    ``orchestrator.run.nodecreds.node_storage`` refuses; on this machine, exit 6 as :func:`check_online`."""
+    from orchestrator.contract.errors import ProviderRefused
+    from orchestrator.run import nodecreds
+
+    s3 = [(f, u) for f, u, _r in _uris(spec) if scheme(u) in ("s3", "s3a")]
+    if not s3 or offline_s3_credentials():
+        return
+    uses = nodecreds.s3_uses(spec)
+    if provider is not None and provider not in nodecreds.ON_THIS_MACHINE and uses:
+        val = {"checkpoint.uri": spec.run_uri, "trainer.data": getattr(spec.trainer, "data", None),
+               "trainer.val_data": getattr(spec.trainer, "val_data", None)}
+        where = " and ".join(f"{u} ({val[u]})" for u in uses)
+        raise ProviderRefused(f"no AWS credentials for the {provider} nodes: {where} is on S3 and a rented "
+                              f"node has no other way in; {nodecreds.HOW}; nothing rented")
+    field, uri = s3[0]
+    raise UriRefused(f"{source}: {field}: {uri} is on S3 and no AWS credentials were found; {nodecreds.HOW}; "
+                     "nothing rented")
 
 
 def remote_data_problem(field: str, uri: str) -> str | None:

@@ -67,6 +67,9 @@ def test_without_an_account_a_plan_that_does_not_fit_names_exit_4_only(no_creden
 def test_some_usable_are_ranked_first_the_others_need_credentials(no_credentials, capsys, monkeypatch):
     monkeypatch.setenv("MODAL_TOKEN_ID", "ak-placeholder")
     monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-placeholder")
+    # the job's run URI is on S3: a Modal node needs the bucket's keys too (else exit 5)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAPLACEHOLDER")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "placeholder")
     rc, out = _json(capsys, ["up", str(GPT2), "--dry-run", "--json"])
     assert rc == 0 and out["usable"] is True and out["chosen"]["provider"] == "modal"
     usable = [o["usable"] for o in out["offers"]]
