@@ -9,9 +9,9 @@ with ``--job`` (re-attach: the job's recorded spec, its plan when the record is 
 ``--spec`` plans a job file here (the same prepare step).
 
 It runs in its own session with stdout and stderr going to ``$DTRUN_HOME/logs/<job>/controller.log``
-and prints plain lines. SIGTERM/SIGINT make it exit at the next tick boundary *without* touching the
-nodes (they guard themselves; a later ``dtrun up`` of the same job re-attaches); ``dtrun down`` is
-how to stop the job.
+and prints plain lines. SIGTERM/SIGINT/SIGHUP make it exit at the next tick boundary *without*
+touching the nodes (they guard themselves; a later ``dtrun up`` of the same job re-attaches), and a
+``controller_exit`` event names the signal; ``dtrun down`` is how to stop the job.
 """
 
 from __future__ import annotations
@@ -105,13 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator.run.state import StateStore
     from providers import registry
 
-    stop = {"flag": False}
+    stop: dict[str, Any] = {"flag": False, "signal": None}
 
     def _sig(signum, frame):
         stop["flag"] = True
+        stop["signal"] = stop["signal"] or signal.Signals(signum).name
 
-    signal.signal(signal.SIGTERM, _sig)
-    signal.signal(signal.SIGINT, _sig)
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, _sig)
     providers: dict[str, Any] = {}
 
     def get(name: str):
@@ -147,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception:  # noqa: BLE001 - closing must not hide why it stopped
                     pass
     if state == "INTERRUPTED":
+        from orchestrator.run.loop import record_exit
+
+        record_exit(ctl, "signalled", f"detached controller (pid {ctl.pid}) exited on {stop['signal']}: no "
+                    f"controller watches the run — the nodes keep running under their own watchdogs "
+                    f"(budget, deadline): `dtrun up` of the job re-attaches, `dtrun down {name}` stops it",
+                    signal=stop["signal"])
         view.line("controller signalled: exiting; the nodes keep running (re-attach with `dtrun up`)")
         return EXIT_OK
     s = ctl.summary()

@@ -8,6 +8,12 @@ the message, secrets masked) and retried after a backoff: one poll interval, dou
 retried tick picks up where the failed one stopped. ``MAX_TICK_FAILURES`` failures in a row → a
 ``controller_exit`` event and :class:`ControllerGaveUp`; the nodes are left running under their
 own watchdogs, none is recorded terminated.
+
+Every end of a controller that owned its job is an event: ``controller_done`` when the job reached
+a final state; ``controller_exit`` when the job goes on without this controller — an exception
+ended the loop (``crashed``), it gave up (above), or its caller says so through :func:`record_exit`
+after a pause (``should_pause`` is not an exit by itself): detached after SIGHUP or Ctrl-C,
+exited on a signal (``orchestrator.cli.foreground`` / ``orchestrator.cli.detached``).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ def run(ctl: Controller, should_pause: Callable[[], bool] | None = None,
         ctl.teardown.close_providers()  # the orphan sweep may have used (and started) them
         raise
     failures = 0
+    state = None
     try:
         while True:
             started = ctl.now()
@@ -52,7 +59,7 @@ def run(ctl: Controller, should_pause: Callable[[], bool] | None = None,
                 state = ctl.tick()
                 if on_tick:
                     on_tick(ctl)
-            except ControllerBusy:
+            except (ControllerBusy, ControllerGaveUp):
                 raise
             except Exception as e:  # noqa: BLE001 - one bad tick must not end recovery
                 failures += 1
@@ -70,10 +77,26 @@ def run(ctl: Controller, should_pause: Callable[[], bool] | None = None,
                 if left <= 0:
                     break
                 ctl.clock.sleep(min(0.2, left) if isinstance(ctl.clock, RealClock) else left)
+    except (ControllerBusy, ControllerGaveUp):
+        raise  # not this controller's run / already recorded (tick_failed)
+    except BaseException as e:
+        record_exit(ctl, "crashed", f"controller (pid {ctl.pid}) crashed: {describe_error(e)}; the nodes keep "
+                    f"running under their own watchdogs: `dtrun up` of the job re-attaches, "
+                    f"`dtrun down {ctl.name}` stops it", type=type(e).__name__)
+        raise
     finally:
         if ctl.state in TERMINAL_STATES or (should_pause and should_pause()):
             ctl.store.release_controller(ctl.name, ctl.pid)
         ctl.teardown.close_providers()
+        if state in TERMINAL_STATES:
+            ctl.ctx.safe_event("controller_done", f"controller (pid {ctl.pid}) finished: {state}",
+                               {"how": "finished", "pid": ctl.pid, "state": state})
+
+
+def record_exit(ctl: Controller, how: str, message: str, **data: Any) -> None:
+    """The ``controller_exit`` event of ``ctl``: the job goes on without it (``how``: crashed,
+    gave_up, detached, signalled, unwatched); never raises."""
+    ctl.ctx.safe_event("controller_exit", message, {"how": how, "pid": ctl.pid, **data})
 
 
 def tick_failed(ctl: Controller, e: Exception, failures: int) -> float:
@@ -90,7 +113,7 @@ def tick_failed(ctl: Controller, e: Exception, failures: int) -> float:
         reason = (f"controller exiting after {failures} consecutive failed ticks (last: {what}); the nodes "
                   f"keep running under their own watchdogs (budget, deadline, lease, idle): "
                   f"`dtrun up` of the job re-attaches, `dtrun down {ctl.name}` stops it")
-        ctl.ctx.safe_event("controller_exit", reason, data)
+        record_exit(ctl, "gave_up", reason, **data)
         try:
             ctl.store.release_controller(ctl.name, ctl.pid)
         except Exception:  # noqa: BLE001 - the store may be what is broken
