@@ -18,6 +18,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from orchestrator.cli.options import JsonOpt
+from orchestrator.cli.statusfacts import step_facts, watch_lines
 from orchestrator.contract.errors import (
     EXIT_INTERRUPTED,
     EXIT_JOB_FAILED,
@@ -90,7 +91,8 @@ def cluster_nodes(run_uri: str, att: dict | None, live: bool) -> list[dict[str, 
 
 def job_status(store: StateStore, job: dict, live: bool = False) -> dict[str, Any]:
     """The JSON object ``dtrun status JOB --json`` prints (also for finished jobs); ``live``
-    reads a multi-node attempt's node records from the run URI rather than the stored copy."""
+    reads the run URI: a multi-node attempt's node records rather than the stored copy, and the
+    step when the run URI is past the controller's record (``step_source`` says which)."""
     name = job["name"]
     atts = store.attempts(name)
     first = job["session_first_attempt"] or 1
@@ -110,18 +112,24 @@ def job_status(store: StateStore, job: dict, live: bool = False) -> dict[str, An
             row["pgid"] = data.get("pgid")
         nodes.append(row)
     alive = StateStore.controller_alive(job)
+    active = job["state"] not in TERMINAL_STATES
+    prog = step_facts(job, read_run_uri=live)
     est = json.loads(job["estimate_json"]) if job.get("estimate_json") else None
     start = job["started_at"]
     end = job["finished_at"] if job["state"] in TERMINAL_STATES else time.time()
     return {
-        "name": name, "state": job["state"], "reason": job["reason"], "step": job["step"],
-        "steps": job["steps"], "loss": job["loss"], "val_loss": job.get("val_loss"),
+        "name": name, "state": job["state"], "reason": job["reason"], "step": prog["step"],
+        "step_source": prog["step_source"], "step_time": prog["step_time"], "recorded_step": job["step"],
+        "steps": job["steps"], "loss": prog["loss"], "val_loss": job.get("val_loss"),
         "tokens_per_s": job["tokens_per_s"],
-        "last_committed_step": job["last_committed_step"], "steps_lost": job["steps_lost"] or 0,
+        "last_committed_step": prog["last_committed_step"], "steps_lost": job["steps_lost"] or 0,
         "cost_usd": round(store.spend_total(name), 6), "budget_usd": job["budget_usd"],
         "estimate_usd": est.get("cost_usd") if isinstance(est, dict) else None,
         "attempts": len(session), "attempts_total": len(atts), "attempt": last,
         "nodes": nodes, "controller_pid": job["controller_pid"] if alive else None,
+        "watched": alive if active else None,
+        "gone_controller_pid": job["controller_pid"] if active and not alive else None,
+        **({"run_uri_error": prog["run_uri_error"]} if "run_uri_error" in prog else {}),
         "cluster": cluster_nodes(job["run_uri"], atts[-1] if atts else None, live),
         "run_uri": job["run_uri"], "started_at": start, "finished_at": job["finished_at"],
         "wall_s": (end - start) if (start and end) else None,
@@ -162,8 +170,8 @@ def _print_status(st: dict[str, Any]) -> None:
     print(f"  step {step}  loss {loss}{val}  "
           f"cost ${st['cost_usd']:.4f}" + (f" of ${st['budget_usd']:.2f}" if st["budget_usd"] else "")
           + f"  attempts {st['attempts']}  steps lost {st['steps_lost']}")
-    if st["controller_pid"]:
-        print(f"  controller pid {st['controller_pid']}")
+    for line in watch_lines(st):
+        print(line)
     for n in st["nodes"]:
         extra = f" pid {n['pid']} pgid {n['pgid']}" if n.get("pid") else ""
         print(f"  node {n['name']} [{n['provider']} {n['instance_id']}] {n['state']}{extra}")
