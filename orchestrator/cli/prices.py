@@ -82,22 +82,51 @@ def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None, refresh: bool
     if json_out:
         sys.stdout.write(json.dumps({"prices": rows, "capabilities": caps, "refresh": refreshed}) + "\n")
         return
+    print_prices(gpu, rows, caps)
+
+
+def console_width() -> int | None:
+    """The width to print in: the terminal's (None: Rich asks it, ``COLUMNS`` included); piped,
+    ``COLUMNS`` when set, else 100 (what a pager or a CI log shows)."""
+    import os
+
+    if sys.stdout.isatty():
+        return None
+    try:
+        cols = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        cols = 0
+    return cols if cols >= 40 else 100
+
+
+def print_prices(gpu: str | None, rows: list[dict[str, Any]], caps: dict[str, Any]) -> None:
+    """The table in the terminal's width: each price's source, a long sentence, is a numbered
+    footnote under the table (as in the dry run's offers table); notes and capabilities wrap."""
+    from rich import box
+    from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    from orchestrator.cli.planview import rich_console
+    from orchestrator.cli.planview import footnotes
+    from providers.catalog import all_rows
 
-    con = rich_console()
-    t = Table(title=f"Prices{' for ' + gpu if gpu else ''} (USD per GPU-hour)", title_justify="left")
-    for col in ("gpu", "provider", "region", "gpus/node", "spot", "$/GPU-h", "source"):
-        t.add_column(col)
-    for row in rows:
+    tty = sys.stdout.isatty()
+    con = Console(highlight=False, soft_wrap=False, width=console_width(), no_color=not tty)
+    nums, notes = footnotes([row["price_source"] + (f" ({row['note']})" if row["note"] else "") for row in rows])
+    t = Table(title=f"Prices{' for ' + gpu if gpu else ''} (USD per GPU-hour; src: the source, below)",
+              title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True,
+              show_edge=False)
+    for col, j in (("gpu", "left"), ("provider", "left"), ("region", "left"), ("gpus/node", "right"),
+                   ("spot", "left"), ("$/GPU-h", "right"), ("src", "right")):
+        t.add_column(col, justify=j, no_wrap=True)  # type: ignore[arg-type]
+    for row, n in zip(rows, nums):
         t.add_row(row["gpu"], row["provider"], row["region"], str(row["gpus_per_node"]),
-                  "spot" if row["spot"] else "on-demand", f"{row['price_per_gpu_hour']:.2f}",
-                  row["price_source"] + (f" ({row['note']})" if row["note"] else ""))
-    con.print(t)
+                  "spot" if row["spot"] else "on-demand", f"{row['price_per_gpu_hour']:.2f}", f"[{n}]")
+    if rows:
+        con.print(t)
+    for k, note in enumerate(notes, 1):
+        con.print(escape(f"[{k}] {note}"))
     if gpu is not None and not rows:  # an empty table says nothing by itself
-        from rich.markup import escape
-
         priced = sorted({r.gpu for r in all_rows(None)})
         con.print(escape(f"no provider lists a price for {gpu}" + (" (local CPU runs are free: providers: [local])"
                   if gpu == "cpu" else "") + f"; GPUs with prices: {', '.join(priced)}"))
@@ -106,7 +135,7 @@ def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None, refresh: bool
         for k in ("spot", "multi_node"):
             parts.append(f"{k.replace('_', '-')}: {'yes' if c[k]['supported'] else 'no'}"
                          + (f" ({c[k]['reason']})" if c[k]["reason"] else ""))
-        con.print(f"[bold]{name}[/]: " + "; ".join(parts) + f"; ≤{c['max_gpus_per_node']} GPUs/node")
+        con.print(f"[bold]{name}[/]: " + escape("; ".join(parts) + f"; ≤{c['max_gpus_per_node']} GPUs/node"))
 
 
 # ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------
