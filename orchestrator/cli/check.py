@@ -1,7 +1,12 @@
 """``dtrun check [JOB] [--online] [--json]``: what is set up here, one ✓/✗ line per item with the
 fix (``orchestrator.run.readiness`` gathers them). Exit 0 when everything the job needs is ✓
 (without a job: at least one rentable provider is ready), 5 when no provider is ready, 6 when a
-URI of the job cannot work, 2 for data whose vocabulary the model cannot hold."""
+URI of the job cannot work, 2 for data whose vocabulary the model cannot hold.
+
+``local`` (this machine) is ready when it can run the trainer: torch imports here (a ``command:``
+job brings its own program and needs nothing dtrun checks). Without a job the verdict says both:
+whether a cloud is ready to rent from (exit 5 when none is) and whether local runs work.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +22,22 @@ from orchestrator.cli.options import JsonOpt
 MARK = {True: "✓", False: "✗", None: "·"}
 
 
+def local_ready(items, spec) -> tuple[bool, str]:
+    """Whether ``local`` can run ``spec`` (without a job: the bundled trainer) on this machine,
+    from the ``local`` items, and what to say about it."""
+    if spec is not None and getattr(spec, "command", None) is not None:
+        return True, "local runs your command here"
+    torch = next((i for i in items if i.group == "local" and i.name == "torch"), None)
+    if torch is None or torch.ok is False:
+        return False, "local cannot run the trainer here: " + (f"torch {torch.detail} → {torch.fix}" if torch
+                                                               else "torch was not checked")
+    cuda = next((i for i in items if i.group == "local" and i.name == "CUDA"), None)
+    how = "CPU ranks over gloo" if cuda is None or cuda.detail.startswith("none") else f"CUDA {cuda.detail}"
+    return True, f"local is ready: this machine can run the trainer (torch {torch.detail}, {how})"
+
+
 def cmd_check(job: Path | None, online: bool, json_out: bool, timeout: float) -> int:
-    from orchestrator.run.readiness import check
+    from orchestrator.run.readiness import RENTABLE, check, local_items
 
     spec = None
     if job is not None:
@@ -26,9 +45,18 @@ def cmd_check(job: Path | None, online: bool, json_out: bool, timeout: float) ->
 
         spec = load_spec(job)
     items, code, ready = check(spec, str(job) if job else "", online=online, timeout=timeout)
+    if spec is None:
+        items = items + local_items()
+    local_ok, local_says = local_ready(items, spec)
+    names_local = spec is not None and "local" in spec.resources.providers
+    if names_local and not local_ok:
+        ready = [p for p in ready if p != "local"]
+        if code == 0 and not [p for p in ready if p in RENTABLE]:
+            code = 5
     if json_out:
         sys.stdout.write(json.dumps({"job": spec.name if spec else None, "items": [i.to_dict() for i in items],
-                                     "ready_providers": ready, "exit_code": code}) + "\n")
+                                     "ready_providers": ready, "local_ready": local_ok, "local": local_says,
+                                     "exit_code": code}) + "\n")
         return code
     group = None
     for i in items:
@@ -44,10 +72,12 @@ def cmd_check(job: Path | None, online: bool, json_out: bool, timeout: float) ->
         verdict = ("ready" if code == 0 else
                    {5: "no provider it names is ready (exit 5)", 6: "a URI of the job cannot work (exit 6)",
                     2: "the data does not fit the model (exit 2)"}.get(code, f"exit {code}"))
-        print(f"{spec.name}: {verdict}" + (f"; can rent from {', '.join(ready)}" if ready else ""))
+        print(f"{spec.name}: {verdict}" + (f"; can rent from {', '.join(ready)}" if ready else "")
+              + (f"; {local_says}" if names_local and not local_ok else ""))
     else:
-        print(f"ready to rent from: {', '.join(ready)}" if ready else
-              "no provider is ready (exit 5); `dtrun up JOB --dry-run` still prices every offer")
+        clouds = (f"ready to rent from: {', '.join(ready)}" if ready else
+                  "no cloud provider is ready to rent from (exit 5); `dtrun up JOB --dry-run` still prices every offer")
+        print(f"{clouds}\n{local_says}" + (": `dtrun up jobs/quickstart.yaml --yes` trains here" if local_ok else ""))
     return code
 
 # ---- the command line (joined into `dtrun` by orchestrator.cli.app) ----------------------------------

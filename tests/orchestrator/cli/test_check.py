@@ -309,3 +309,38 @@ def test_the_probe_leaves_no_folder_behind_and_keeps_the_ones_that_were_there(tm
     (tmp_path / "used" / "runs" / "job" / "progress.json").write_text("{}")
     assert probe_run_uri(f"file://{tmp_path}/used/runs/job") is None
     assert sorted(p.name for p in (tmp_path / "used" / "runs" / "job").iterdir()) == ["progress.json"]
+
+
+# ---- local: ready when this machine can run the trainer (issue 33, item 19) ----------------------
+
+def test_without_clouds_check_says_local_works(home, api, capsys):
+    rc = main(["check"])
+    text = capsys.readouterr().out
+    assert rc == 5  # nothing to rent from
+    assert "no cloud provider is ready to rent from (exit 5)" in text and "no provider is ready" not in text
+    assert "local is ready: this machine can run the trainer (torch " in text and "✓ torch:" in text
+    rc, items, out = _check(capsys)
+    assert rc == 5 and out["ready_providers"] == [] and out["local_ready"] is True
+    assert items["torch"]["ok"] is True
+
+
+def test_without_torch_local_is_not_ready(tmp_path, home, api, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    rc = main(["check"])
+    text = capsys.readouterr().out
+    assert rc == 5 and "local cannot run the trainer here: torch not installed → pip install torch" in text
+    # a trainer job on local: not ready (exit 5, local not among the ready providers)
+    rc, items, out = _check(capsys, str(_job(tmp_path)))
+    assert rc == 5 and out["ready_providers"] == [] and out["local_ready"] is False
+    assert main(["check", str(_job(tmp_path))]) == 5
+    assert "chk: no provider it names is ready (exit 5); local cannot run the trainer here" in capsys.readouterr().out
+    # a command job brings its own program: local stays ready
+    f = tmp_path / "cmd.yaml"
+    (tmp_path / "train.py").write_text("print('step 1')\n")
+    f.write_text(yaml.safe_dump({"name": "mine", "resources": {"providers": ["local"], "gpu": "cpu", "gpus_per_node": 1},
+                                 "command": {"run": "train.py", "hours": 0.1},
+                                 "checkpoint": {"uri": str(tmp_path / "runs" / "{name}")}, "budget": {"max_usd": 1}}))
+    rc, _items, out = _check(capsys, str(f))
+    assert rc == 0 and out["ready_providers"] == ["local"] and out["local_ready"] is True
