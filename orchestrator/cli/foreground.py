@@ -45,8 +45,8 @@ def stop(ctl, who: str, now: bool) -> None:
 
 
 def _off_the_terminal(name: str) -> None:
-    """The terminal is gone: stdout/stderr that went to it go to the job's controller log, so
-    nothing written later fails (EIO) and what is said can still be read."""
+    """The terminal is gone: stdout/stderr go to the job's controller log from now on, so nothing
+    written later fails (EIO) and what is said can still be read."""
     from orchestrator.run.state import dtrun_home
 
     try:
@@ -55,10 +55,9 @@ def _off_the_terminal(name: str) -> None:
         fd = os.open(logdir / "controller.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     except OSError:
         fd = os.open(os.devnull, os.O_WRONLY)
-    for std in (1, 2):
+    for std in (1, 2):  # a hung-up terminal may no longer even answer isatty(): move both
         try:
-            if os.isatty(std):
-                os.dup2(fd, std)
+            os.dup2(fd, std)
         except OSError:
             pass
     os.close(fd)

@@ -185,3 +185,43 @@ def test_status_says_when_no_controller_watches(env, tmp_path, reaper):
     assert f"no controller watches this run (controller pid {st3['controller_pid']} is gone)" in text
     dtrun(env, tmp_path, "down", "sigjob", "--now", check_rc=0)
     assert not group_alive(st["nodes"][0]["pgid"])
+
+
+def test_closing_a_real_terminal_hands_the_run_over(env, tmp_path, reaper):
+    """The same on a pseudo-terminal (the rich live view): closing its master side is the hang-up
+    the kernel sends a closed terminal's session; writes to it fail from then on."""
+    import pty
+    import select
+
+    env["TERM"] = "xterm"
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: `dtrun up` with the pty as its controlling terminal
+        os.chdir(tmp_path)
+        os.execve(sys.executable, DTRUN + ["up", "job.yaml", "--yes"], env)
+    reaper[0].append(pid)
+    try:
+        def running():
+            while select.select([fd], [], [], 0)[0]:
+                try:
+                    os.read(fd, 65536)  # keep the terminal drained
+                except OSError:
+                    break
+            r = dtrun(env, tmp_path, "status", "sigjob", "--json")
+            s = json.loads(r.stdout) if r.returncode == 0 else {}
+            return s.get("state") == "RUNNING" and (s.get("step") or 0) > 3 and s
+
+        st = wait_for(running, what="RUNNING")
+        reaper[1].append(st["nodes"][0]["pgid"])
+        assert st["controller_pid"] == pid
+    finally:
+        os.close(fd)  # hang up
+    _, code = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(code) == 0
+    st2 = status(env, tmp_path)
+    assert st2["state"] == "RUNNING" and st2["controller_pid"] not in (None, pid) and st2["watched"] is True
+    reaper[0].append(st2["controller_pid"])
+    assert any("SIGHUP" in e and f"(pid {st2['controller_pid']})" in e for e in events(env, tmp_path))
+    log = (tmp_path / "home" / "logs" / "sigjob" / "controller.log").read_text()
+    assert f"sigjob: detached; controller pid {st2['controller_pid']}" in log  # said where it can be read
+    dtrun(env, tmp_path, "down", "sigjob", check_rc=0)
+    assert status(env, tmp_path)["state"] == "CANCELLED" and not group_alive(st["nodes"][0]["pgid"])
