@@ -225,3 +225,71 @@ def test_closing_a_real_terminal_hands_the_run_over(env, tmp_path, reaper):
     assert f"sigjob: detached; controller pid {st2['controller_pid']}" in log  # said where it can be read
     dtrun(env, tmp_path, "down", "sigjob", check_rc=0)
     assert status(env, tmp_path)["state"] == "CANCELLED" and not group_alive(st["nodes"][0]["pgid"])
+
+
+def _up_on_a_pty(env, tmp_path, reaper):
+    """``dtrun up`` with a pseudo-terminal as its controlling terminal, RUNNING past step 3:
+    (pid, master fd, status, read) — ``read()`` drains the terminal and returns all it printed."""
+    import pty
+    import select
+
+    env["TERM"] = "xterm"
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(tmp_path)
+        os.execve(sys.executable, DTRUN + ["up", "job.yaml", "--yes"], env)
+    reaper[0].append(pid)
+    seen = bytearray()
+
+    def read() -> str:
+        while select.select([fd], [], [], 0)[0]:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen.extend(chunk)
+        return seen.decode(errors="replace")
+
+    def running():
+        read()
+        r = dtrun(env, tmp_path, "status", "sigjob", "--json")
+        s = json.loads(r.stdout) if r.returncode == 0 else {}
+        return s.get("state") == "RUNNING" and (s.get("step") or 0) > 3 and s
+
+    st = wait_for(running, what="RUNNING")
+    reaper[1].append(st["nodes"][0]["pgid"])
+    return pid, fd, st, read
+
+
+def test_ctrl_c_on_a_terminal_detach_and_tear_down_say_what_happened(env, tmp_path, reaper):
+    pid, fd, st, read = _up_on_a_pty(env, tmp_path, reaper)
+    try:
+        os.write(fd, b"\x03")  # Ctrl-C
+        wait_for(lambda: "[d]etach" in read(), what="the question")
+        os.write(fd, b"d\n")
+        wait_for(lambda: "detached; controller pid" in read(), what="detached")
+        _, code = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(code) == 0
+    finally:
+        os.close(fd)
+    st2 = status(env, tmp_path)
+    assert st2["controller_pid"] not in (None, pid) and st2["watched"] is True
+    reaper[0].append(st2["controller_pid"])
+    assert any("detached at Ctrl-C" in e and f"(pid {st2['controller_pid']})" in e for e in events(env, tmp_path))
+    dtrun(env, tmp_path, "down", "sigjob", check_rc=0)
+    # up again in the foreground (it continues from the checkpoint); Ctrl-C → [t]ear down
+    pid, fd, st3, read = _up_on_a_pty(env, tmp_path, reaper)
+    try:
+        os.write(fd, b"\x03")
+        wait_for(lambda: "[d]etach" in read(), what="the question")
+        os.write(fd, b"t\n")
+        wait_for(lambda: "CANCELLED: wall" in read(), what="torn down")
+        _, code = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(code) == 1
+    finally:
+        os.close(fd)
+    st4 = status(env, tmp_path)
+    assert st4["state"] == "CANCELLED" and "Ctrl-C" in st4["reason"] and "dtrun down" not in st4["reason"]
+    assert not group_alive(st3["nodes"][0]["pgid"])
