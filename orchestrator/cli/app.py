@@ -17,10 +17,43 @@ import sys
 os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 
 import typer  # noqa: E402 - after the variable: typer imports pydantic
+from typer.core import TyperGroup  # noqa: E402
 
 from orchestrator.contract.errors import EXIT_INTERRUPTED, DtrunError  # noqa: E402
 
+
+def first_sentence(help_text: str) -> str:
+    """A command's help up to the end of its first sentence, whole: what ``--help`` lists beside
+    the command's name (click would cut it at the line's width with "...")."""
+    import inspect
+
+    para = " ".join(inspect.cleandoc(help_text).split("\n\n")[0].split())
+    depth = 0  # a full stop inside brackets ("(e.g. H100)") ends no sentence
+    for i, ch in enumerate(para):
+        depth += (ch in "([") - (ch in ")]")
+        if ch == "." and depth <= 0 and (i + 1 == len(para) or para[i + 1] == " "):
+            return para[: i + 1]
+    return para
+
+
+class _Group(TyperGroup):
+    """The root group: every command (and every group's command) listed in ``--help`` with its
+    first sentence whole, wrapped onto the next lines as needed, never cut off."""
+
+    def main(self, *args, **kwargs):  # type: ignore[override]
+        _whole_short_help(self)
+        return super().main(*args, **kwargs)
+
+
+def _whole_short_help(group) -> None:
+    for sub in (getattr(group, "commands", None) or {}).values():
+        if not sub.short_help and sub.help:
+            sub.short_help = first_sentence(sub.help)
+        _whole_short_help(sub)
+
+
 app = typer.Typer(
+    cls=_Group,
     name="dtrun",
     help="Train on rented GPUs without surprises: estimate first, rent the cheapest fit, "
     "survive preemption, never leave a node billing.",

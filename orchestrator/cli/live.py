@@ -21,15 +21,17 @@ def _money(x: float | None) -> str:
     return f"${x:,.4f}" if x < 1 else f"${x:,.2f}"
 
 
-def snapshot(store: StateStore, name: str) -> dict[str, Any]:
+def snapshot(store: StateStore, name: str, budget: float | None = None) -> dict[str, Any]:
+    """The job's numbers for one frame. ``budget``: the spec's ``budget.max_usd``, for the frames
+    before the controller has recorded the job (its row has the budget from then on)."""
     job = store.get_job(name) or {}
     atts = store.attempts(name)
     first = job.get("session_first_attempt") or 1
     return {
         "state": job.get("state"), "reason": job.get("reason"), "step": job.get("step"),
         "steps": job.get("steps"), "loss": job.get("loss"), "tokens_per_s": job.get("tokens_per_s"),
-        "val_loss": job.get("val_loss"),
-        "cost": store.spend_total(name), "budget": job.get("budget_usd"),
+        "val_loss": job.get("val_loss"), "recorded": bool(job),
+        "cost": store.spend_total(name), "budget": job["budget_usd"] if job else budget,
         "attempts": len([a for a in atts if a["n"] >= first]), "attempt": atts[-1]["n"] if atts else None,
         "committed": job.get("last_committed_step"), "steps_lost": job.get("steps_lost") or 0,
         "build": _building(store, name, job, atts),
@@ -68,9 +70,17 @@ def progress_line(s: dict[str, Any]) -> str:
         parts.append(f"val {s['val_loss']:.4f}")
     if s["tokens_per_s"]:
         parts.append(f"{s['tokens_per_s']:,.0f} tok/s")
-    parts.append(f"spend {_money(s['cost'])}" + (f" of {_money(s['budget'])}" if s["budget"] else ""))
+    parts.append(f"spend {_money(s['cost'])}" + (f" of {_money(s['budget'])}" if s["budget"] is not None else ""))
     parts.append(f"attempt {s['attempt'] or '-'} ({s['attempts']} this run)")
     return " | ".join(parts)
+
+
+def spend_cap(s: dict[str, Any]) -> str:
+    """`` / $1.00``; `` (no budget cap)`` only for a job recorded without ``budget.max_usd``; nothing
+    while the budget is not known yet (the first frames, before the controller records the job)."""
+    if s["budget"] is not None:
+        return f" / {_money(s['budget'])}"
+    return " (no budget cap)" if s.get("recorded") else ""
 
 
 class PlainView:
@@ -107,7 +117,7 @@ class PlainView:
 class RichView:
     """The live terminal view."""
 
-    def __init__(self, store: StateStore, name: str, console: Any = None) -> None:
+    def __init__(self, store: StateStore, name: str, console: Any = None, budget: float | None = None) -> None:
         from rich.console import Console
         from rich.progress import (
             BarColumn,
@@ -117,7 +127,7 @@ class RichView:
             TimeRemainingColumn,
         )
 
-        self.store, self.name = store, name
+        self.store, self.name, self.budget = store, name, budget
         self.console = console or Console()
         self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("steps · ETA"), TimeRemainingColumn(), console=self.console)
@@ -129,7 +139,7 @@ class RichView:
         from rich.console import Group
         from rich.text import Text
 
-        s = snapshot(self.store, self.name)
+        s = snapshot(self.store, self.name, self.budget)
         if s["steps"]:
             self.progress.update(self.task, total=s["steps"], completed=s["step"] or 0)
         head = Text.assemble((f"{self.name} ", "bold"), (s["state"] or "", "cyan"),
@@ -138,8 +148,8 @@ class RichView:
         if s.get("val_loss") is not None:
             metrics.append(f"   val loss {s['val_loss']:.4f}")
         metrics.append(f"   {s['tokens_per_s']:,.0f} tok/s" if s["tokens_per_s"] else "   — tok/s")
-        spend = f"   spend {_money(s['cost'])}" + (f" / {_money(s['budget'])}" if s["budget"] else " (no budget cap)")
-        metrics.append(spend, style="yellow" if s["budget"] and s["cost"] > 0.8 * s["budget"] else None)
+        spend = f"   spend {_money(s['cost'])}" + spend_cap(s)
+        metrics.append(spend, style="yellow" if s["budget"] is not None and s["cost"] > 0.8 * s["budget"] else None)
         metrics.append(f"   attempts {s['attempts']}   last committed step {s['committed'] if s['committed'] is not None else '—'}")
         if s["steps_lost"]:
             metrics.append(f"   steps lost {s['steps_lost']}")

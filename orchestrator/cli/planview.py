@@ -62,6 +62,18 @@ def fmt_flops(x: float) -> str:
     return f"{x / 1e12:,.0f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:,.0f} GFLOP/s"
 
 
+def fmt_count(n: float) -> str:
+    """A count of tokens or parameters in three significant figures with K/M/B/T: 154K, 8B,
+    1.41T (not "0.000154B" or "1.41e+03B")."""
+    if math.isinf(n):
+        return "∞"
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div * 0.9995:  # 999,950 is "1M", not "1e+03K"
+            v = n / div
+            return f"{v:,.0f}{unit}" if abs(v) >= 99.95 else f"{float(f'{v:.3g}'):g}{unit}"
+    return f"{n:,.0f}"
+
+
 def is_free(o: Any) -> bool:
     """An offer on this machine: nothing is rented, so it has no price (not a price of $0)."""
     return o.provider in ON_THIS_MACHINE and o.price_per_gpu_hour == 0
@@ -234,7 +246,7 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
         elif spec.command is not None:
             src = b["hours_source"]
             if b["params"] and b["tokens"] and not src.startswith("command.hours"):
-                src = (f"6 × {b['params'] / 1e6:,.1f}M params × {b['tokens'] / 1e9:,.3g}B tokens / "
+                src = (f"6 × {fmt_count(b['params'])} params × {fmt_count(b['tokens'])} tokens / "
                        f"({b['gpus']} × {fmt_flops(b['peak_flops_per_gpu'])} × MFU {b['mfu']:.2f})")
             con.print(f"  compute        {fmt_hours(b['compute_hours'])}  = {src}")
         elif b.get("step_floor_seconds") and b["step_seconds"] <= b["step_floor_seconds"]:
@@ -242,8 +254,8 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
                       f"the per-step floor (launching the step's kernels: operators × ~10 µs; the FLOPs alone "
                       f"would take {fmt_hours(b['steps'] * b['flops_step_seconds'] / 3600)})")
         else:
-            con.print(f"  compute        {fmt_hours(b['compute_hours'])}  = 6 × {b['active_params'] / 1e6:,.1f}M params "
-                      f"× {b['tokens'] / 1e9:,.3g}B tokens / ({b['gpus']} × {fmt_flops(b['peak_flops_per_gpu'])} "
+            con.print(f"  compute        {fmt_hours(b['compute_hours'])}  = 6 × {fmt_count(b['active_params'])} params "
+                      f"× {fmt_count(b['tokens'])} tokens / ({b['gpus']} × {fmt_flops(b['peak_flops_per_gpu'])} "
                       f"× MFU {b['mfu']:.2f})")
         if b["hours_source"] != "budget.hours":
             su = b.get("startup") or {}
