@@ -93,7 +93,7 @@ def run_foreground(spec, plan, store: StateStore, spec_path: str, json_out: bool
     from orchestrator.run.state import TERMINAL_STATES
 
     tty = _tty_out() and not json_out
-    view = RichView(store, spec.name) if tty else PlainView(store, spec.name, out=sys.stderr if json_out else None)
+    view = RichView(store, spec.name, budget=spec.budget.max_usd) if tty else PlainView(store, spec.name, out=sys.stderr if json_out else None)
     ctl = Controller(spec, store, plan=plan, spec_path=spec_path, on_event=view.event)
     flag = {"n": 0, "last": None, "hup": False}
 

@@ -215,6 +215,9 @@ def test_only_lambda_keys_rents_lambda_and_lists_the_others_with_the_fix(sky_off
     (sky_offline / ".lambda_cloud").mkdir()
     (sky_offline / ".lambda_cloud" / "lambda_keys").write_text("api_key = l-k\n")
     monkeypatch.setenv("RUNPOD_API_KEY", "rp-secret-env-123")
+    # the nodes' object store: placeholder AWS keys (the dry run checks that credentials exist)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAPLACEHOLDER")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "placeholder")
     for v in ("VAST_API_KEY", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"):
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv("MODAL_CONFIG_PATH", str(tmp_path / "no-modal.toml"))
