@@ -75,6 +75,8 @@ class FakeProvider(Provider):
                 updates[k] = v
         if autodown_seconds is not ...:
             updates["autodown_seconds"] = autodown_seconds
+        if updates or workload is not None:
+            updates["driven"] = True  # a driver set this cloud up (see check_credentials)
         if updates or self.path is not None:
             with self._store.state() as st:
                 st["config"].update(updates)
@@ -114,7 +116,7 @@ class FakeProvider(Provider):
             kwargs["offers"] = [o.to_dict() if isinstance(o, FakeOfferTemplate) else dict(o)
                                 for o in kwargs["offers"]]
         with self._store.state() as st:
-            st["config"].update(kwargs)
+            st["config"].update(kwargs, driven=True)
 
     def script(self, name: str, *, exit_after: float | None = None, exit_code: int = 0,
                preempt_after: float | None = None) -> None:
@@ -172,6 +174,23 @@ class FakeProvider(Provider):
             return bill_of(st, now)
 
     # ---- Provider interface --------------------------------------------------------------------
+    def check_credentials(self) -> None:
+        """The fake cloud runs no trainer: its nodes move only when a driver (a test, a
+        simulation) set the cloud up and plays it forward. So it is usable in memory (whoever
+        made it drives it) and as a shared file once a driver configured it (``FakeProvider``
+        with settings, or ``configure``: config ``driven``); the untouched file that
+        ``providers: [fake]`` in a job gets is refused — a run on it would stay PROVISIONING
+        forever. ``dtrun up`` turns this into its no-usable-provider refusal (exit 5)."""
+        if self.path is None:
+            return
+        with self._store.state(write=False) as st:
+            if st["config"].get("driven"):
+                return
+        raise perr.AuthError(
+            "resources.providers: 'fake' is dtrun's test cloud — it runs no trainer and its nodes never "
+            "leave PROVISIONING unless a test drives it; use providers: [local] to run on this machine "
+            "(or `dtrun simulate` to play a run on the fake cloud)", provider="fake")
+
     def capabilities(self) -> Capabilities:
         with self._store.state(write=False) as st:
             mx = int(st["config"]["max_gpus_per_node"])

@@ -30,6 +30,9 @@ def default_config() -> dict[str, Any]:
         "transient_rate": 0.0,
         "seed": 0,
         "max_gpus_per_node": 8,
+        # True once a driver (a test, a simulation) configured this cloud: only then does
+        # FakeProvider.check_credentials let `dtrun up` rent on it.
+        "driven": False,
     }
 
 
