@@ -20,6 +20,13 @@ Every node is recorded in ``$DTRUN_HOME/local/instances.json`` (locked with ``fc
 pid, process-group id and the kernel's start time of the leader, so another process can list and
 terminate it. A pid counts as ours only if its start time matches and (where readable) its
 environment carries ``DTRUN_LOCAL_ID=<instance id>`` — a recycled pid is never signalled.
+
+Temp files: each node gets its own temp folder, ``$DTRUN_HOME/local/tmp/<instance id>/``, as
+``TMPDIR`` (``TMP``, ``TEMP``), so what the bootstrap and the trainer make with ``tempfile`` (the
+node's ``dtrun-<job>-*.yaml``, the user command's ``dtrun-<job>-…/`` home) lives there. The folder
+is removed once the node's whole process group is gone — by ``terminate``, by a ``poll`` that
+sees it ended, and by ``list_owned`` (so ``dtrun gc`` clears it) — also after a SIGKILL of the node,
+which gives the node no chance to clean up itself.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,13 +176,16 @@ class LocalProvider(Provider):
         log_path.parent.mkdir(parents=True, exist_ok=True)
         exit_path = Path(f"{log_path}.exit")
         exit_path.unlink(missing_ok=True)
+        tmp_dir = self._tmp_root / iid
+        tmp_dir.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, WRAPPER, "--exit-file", str(exit_path), "--grace", str(self.grace_seconds)]
         if request.deadline is not None:
             argv += ["--deadline", repr(float(request.deadline))]
         argv += ["--", *request.command]
         # The node inherits this process's environment (the controller leaves ``secrets`` empty
         # for local nodes); secrets a caller does pass reach the child only, never the registry.
-        env = {**os.environ, **request.env, **request.secrets, MARKER_ENV: iid}
+        tmp = {"TMPDIR": str(tmp_dir), "TMP": str(tmp_dir), "TEMP": str(tmp_dir)}
+        env = {**os.environ, **tmp, **request.env, **request.secrets, MARKER_ENV: iid}
         now = time.time()
         with open(log_path, "ab") as log:
             try:
@@ -185,7 +196,7 @@ class LocalProvider(Provider):
         self._procs[iid] = proc
         pid = proc.pid
         data = {"pid": pid, "pgid": pid, "log_path": str(log_path), "exit_path": str(exit_path),
-                "starttime": _starttime(pid)}
+                "starttime": _starttime(pid), "tmp_dir": str(tmp_dir)}
         rec = {"id": iid, "name": name, "owner": request.owner, "created_at": now, "terminated_at": None,
                "term_sent_at": None, "killed_at": None, **data}
         with self._registry() as reg:
@@ -196,6 +207,7 @@ class LocalProvider(Provider):
         rec = self._record(handle)
         if self._alive(rec):
             return NodeState.RUNNING
+        self._clean_tmp(rec)
         code = self._exit_code(rec)
         if rec.get("terminated_at") is not None and rec.get("term_was_live"):
             return NodeState.TERMINATED  # we ended it (whatever it exited with then)
@@ -216,6 +228,7 @@ class LocalProvider(Provider):
             reg["instances"][iid] = r
             rec = r
         if not live:
+            self._clean_tmp(rec)
             return  # already gone: not an error
         pgid = int(rec["pgid"])
         if rec.get("term_sent_at") is None:
@@ -226,6 +239,7 @@ class LocalProvider(Provider):
         while True:
             self._reap(iid)
             if not _group_alive(pgid):
+                self._clean_tmp(rec)
                 return
             if time.time() - float(rec["term_sent_at"]) >= self.grace_seconds and rec.get("killed_at") is None:
                 self._signal(rec, signal.SIGKILL)
@@ -246,6 +260,9 @@ class LocalProvider(Provider):
             for r in recs:
                 if r["created_at"] < cutoff and not self._group_alive(r):
                     reg["instances"].pop(r["id"], None)
+        for r in recs:
+            if r.get("tmp_dir") and Path(r["tmp_dir"]).exists() and not self._group_alive(r):
+                self._clean_tmp(r)
         out = []
         for r in sorted(recs, key=lambda r: r["created_at"]):
             if r["name"].startswith(prefix) and self._group_alive(r):
@@ -268,6 +285,21 @@ class LocalProvider(Provider):
         return "\n".join(text.splitlines()[-tail:])
 
     # ---- internals -------------------------------------------------------------------------------
+    @property
+    def _tmp_root(self) -> Path:
+        return self.home / "local" / "tmp"
+
+    def _clean_tmp(self, rec: dict[str, Any]) -> None:
+        """Remove the node's temp folder once no process of its group is left (only a folder
+        under ``_tmp_root``: a record never points the cleanup elsewhere)."""
+        d = rec.get("tmp_dir")
+        if not d or not Path(d).exists():
+            return
+        p = Path(d).resolve()
+        if p.parent != self._tmp_root.resolve() or self._group_alive(rec):
+            return
+        shutil.rmtree(p, ignore_errors=True)
+
     def _record(self, handle: Handle) -> dict[str, Any]:
         with self._registry() as reg:
             rec = reg["instances"].get(handle.instance_id)
