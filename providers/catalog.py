@@ -3,9 +3,7 @@
 ``price_rows``/``catalog_offers``/``all_rows`` (the dry run, ``dtrun prices``, ``dtrun export``)
 take each provider's rows from where they live: SkyPilot's cached catalogs for RunPod, Lambda and
 Vast (``providers.skypilot.catalog``), the bundled snapshot for the rest (``providers.pricing``,
-which holds the rows, region and offer rules). Offline, RunPod and Vast spot rows are priced from
-the snapshot's dated reference figures (``spot:`` in prices.yaml, labelled "spot: snapshot of
-<date>"); a catalog, fetched live or SkyPilot's cached one, replaces them for the GPUs it lists. Providers yield their own offers from those two
+which holds the rows, region and offer rules). Providers yield their own offers from those two
 modules and never import this one. Start-up figures and preemption notices come from the
 snapshot's ``startup:`` and ``preemption:`` sections (sources and dates there, not constants in
 code): the estimate and ``dtrun simulate`` use them.

@@ -1,8 +1,7 @@
 """Price rows, region names and offers, for any provider: the dated snapshot and the rules.
 
 A provider's prices are the bundled snapshot (``providers/data/prices.yaml``: sources and dates
-per row; its RunPod/Vast spot figures a dated reference, labelled "spot: snapshot of <date>")
-plus, where it has one, its own catalog (SkyPilot's cached catalogs for RunPod, Lambda
+per row) plus, where it has one, its own catalog (SkyPilot's cached catalogs for RunPod, Lambda
 and Vast: ``providers.skypilot.catalog``). Every function here takes that catalog as rows
 (``catalog``: empty for a provider without one, such as Modal) and knows no provider's files.
 
@@ -77,36 +76,20 @@ def load_snapshot() -> dict[str, Any]:
     return yaml.load(SNAPSHOT_PATH.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
-def snapshot_spot_note(provider: str) -> str:
-    """The label of the snapshot's spot figures for ``provider``: their date and source, and that
-    they are a dated reference (``spot:`` in prices.yaml); a figure without both is refused."""
-    ref = load_snapshot().get("spot") or {}
-    src = (ref.get("sources") or {}).get(provider)
-    if not src or not ref.get("date"):
-        raise ValueError(f"{SNAPSHOT_PATH}: a {provider} spot_price needs spot.date and spot.sources.{provider}")
-    return f"spot: snapshot of {ref['date']} (a dated reference, not live): {src}"
-
-
 def snapshot_rows() -> list[PriceRow]:
     snap = load_snapshot()
     rows = []
     for r in snap["rows"]:
-        spot = positive(r.get("spot_price"))
-        if spot is not None and spot >= float(r["price"]):
-            raise ValueError(f"{SNAPSHOT_PATH}: {r['provider']} {r['gpu']}: spot_price {spot} is not below "
-                             f"on-demand {r['price']}")
-        spot_note = snapshot_spot_note(r["provider"]) if spot is not None else ""
         for count in r["counts"]:
             it = r.get("instance_type")
             rows.append(PriceRow(
                 provider=r["provider"], gpu=r["gpu"], region=ANY_REGION, gpus_per_node=count,
                 price=float(r["price"]),
-                spot_price=spot,
+                spot_price=positive(r.get("spot_price")),
                 spot_sold="spot_price" in r,
                 source=f"snapshot {snap['date']}: {snap['sources'][r['provider']]}",
                 date=snap["date"], note=r.get("note", ""),
                 instance_type=it.format(n=count) if it else None,
-                spot_note=spot_note,
             ))
     return rows
 
