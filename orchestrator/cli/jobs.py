@@ -18,6 +18,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from orchestrator.cli.options import JsonOpt
+from orchestrator.cli.statusfacts import fmt_wall as _fmt_wall
 from orchestrator.cli.statusfacts import step_facts, watch_lines
 from orchestrator.contract.errors import (
     EXIT_INTERRUPTED,
@@ -52,11 +53,6 @@ def _ask(prompt: str) -> str:
     sys.stdout.flush()
     line = sys.stdin.readline()
     return line.strip().lower()
-
-
-def _fmt_wall(s: float) -> str:
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 # ---- status --------------------------------------------------------------------------------------

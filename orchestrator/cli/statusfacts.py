@@ -11,6 +11,12 @@ from orchestrator.contract import runuri
 from orchestrator.run.context import describe_error
 
 
+def fmt_wall(s: float) -> str:
+    """A duration as ``1h02m03s`` (or ``2m03s`` under an hour)."""
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
 def step_facts(job: dict, read_run_uri: bool = True) -> dict[str, Any]:
     """The step, loss and last COMMITTED step to show for ``job``: the controller's record, or
     (``read_run_uri``) what the run URI shows when it is past that record, with where the step
@@ -47,11 +53,10 @@ def step_facts(job: dict, read_run_uri: bool = True) -> dict[str, Any]:
 def watch_lines(st: dict[str, Any]) -> list[str]:
     """Lines under a job's status: where its step came from (when not the controller's record)
     and who watches it (the live controller's pid, or that none does)."""
-    from orchestrator.cli.jobs import _fmt_wall
 
     out = []
     if st.get("step_source", "controller") != "controller":
-        ago = f", {_fmt_wall(max(0.0, time.time() - st['step_time']))} ago" if st.get("step_time") else ""
+        ago = f", {fmt_wall(max(0.0, time.time() - st['step_time']))} ago" if st.get("step_time") else ""
         was = st["recorded_step"] if st.get("recorded_step") is not None else "none"
         out.append(f"  step from the run URI's {st['step_source']}{ago} (the controller's record says {was})")
     elif st.get("run_uri_error"):
