@@ -31,7 +31,8 @@ budget: {max_usd: 1.0, max_hours: 1}
 recovery: {poll_seconds: 0.5, backoff_seconds: 0.2, heartbeat_timeout_seconds: 60}
 """
 
-pytestmark = pytest.mark.slow  # real controller, bootstrap and trainer processes for seconds
+# a whole signal scenario each (a real `dtrun up`, its bootstrap and trainer processes, a pty): `make e2e`
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture
