@@ -85,7 +85,8 @@ run() {  # name ngpus model steps parallel fp8 every
 report() {  # name ngpus strategy
   say "$("$PY" - "$OUT" "$1" "$2" "$3" <<'PYEOF'
 import json, re, sys
-from orchestrator.plan.planner import FIXED_OVERHEAD_BYTES, evaluate_rung
+from orchestrator.plan.ladder import evaluate_rung
+from orchestrator.plan.memory import FIXED_OVERHEAD_BYTES
 from orchestrator.plan.spec import load_spec
 out, name, n, strategy = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 prog = json.load(open(f"{out}/run-{name}/progress.json"))

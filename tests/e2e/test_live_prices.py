@@ -32,6 +32,10 @@ def make_env(tmp: Path, servers: PriceServers, **extra: str) -> dict[str, str]:
                PYTHONPATH=f"{tmp / 'hook'}{os.pathsep}{ROOT}", **servers.env(tmp / "hook"), **extra)
     for v in ("XDG_CONFIG_HOME", "RUNPOD_API_KEY", "VAST_API_KEY", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"):
         env.pop(v, None)
+    # the nodes' object store: placeholder AWS keys (the dry run checks that credentials exist for
+    # the jobs' s3:// URIs; nothing here reaches S3)
+    env.setdefault("AWS_ACCESS_KEY_ID", "AKIAPLACEHOLDER")
+    env.setdefault("AWS_SECRET_ACCESS_KEY", "placeholder")
     return env
 
 
