@@ -1,13 +1,8 @@
-"""Parallelism for the pure model in ``trainer/model.py`` (torchtitan's order).
+"""Parallelism for the pure model in ``trainer/model.py`` (torchtitan's order and its
+``parallelize.py``: the steps that apply the meshes to the model).
 
-* ``ParallelDims(dp_shard, tp, ep, world_size)`` validated *before* any process group starts, with
-  one error naming every factor and the world size.
-* ``build_meshes``: the dense mesh ``(dp_shard, tp)``; ``(dp_replicate, dp_shard, tp)`` for HSDP
-  (``dp_replicate`` > 1: FSDP2 shards over ``dp_shard`` and replicates over ``dp_replicate``, so
-  the all-gathers and reduce-scatters stay inside a shard group — one node — and one gradient
-  all-reduce crosses them) or for DDP-style replication (``replicate``: HSDP with a shard group
-  of one); for expert parallelism, a separate expert mesh ``(dp_rep, ep)`` with
-  ``dp_shard = dp_rep × ep``.
+* ``ParallelDims`` (degrees, validated before any process group starts), ``Meshes`` and
+  ``build_meshes`` live in :mod:`trainer.parallel_dims` and are importable from here.
 * ``parallelize``: tensor parallelism (column-wise wq/wk/wv/w1/w3, row-wise wo/w2; QK-norm as a
   head-sharded DTensor so its gradient sums over heads; embedding/head only when untied), then
   activation checkpointing, then torch.compile (GPU only), then FSDP2 ``fully_shard`` per block
@@ -26,116 +21,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from orchestrator.plan.presets import ModelSpec
 from trainer.errors import ConfigError
-
-
-@dataclass
-class ParallelDims:
-    dp_shard: int
-    tp: int
-    ep: int
-    world_size: int
-    replicate: bool = False
-    dp_replicate: int = 1
-
-    @classmethod
-    def from_spec(cls, spec: Any, world_size: int) -> "ParallelDims":
-        """Degrees from a JobSpec. ``dp_shard: -1`` and ``parallel: auto`` fill in from the
-        actual world size (so a resumed run may use another node count)."""
-        raw = spec.trainer.parallel
-        if raw == "auto":
-            return cls(world_size, 1, 1, world_size, False)
-        rep = raw.dp_replicate
-        dp = raw.dp_shard if raw.dp_shard != -1 else max(1, world_size // (raw.tp * rep))
-        return cls(dp, raw.tp, raw.ep, world_size, raw.replicate, rep)
-
-    def validate(self, model: ModelSpec | None = None) -> None:
-        rep = f"dp_replicate ({self.dp_replicate}) × " if self.dp_replicate > 1 else ""
-        d = f"{rep}dp_shard ({self.dp_shard}) × tp ({self.tp}), ep ({self.ep}), world size ({self.world_size})"
-        problems = []
-        if self.dp_shard < 1 or self.tp < 1 or self.ep < 1 or self.dp_replicate < 1:
-            problems.append("every degree must be ≥ 1")
-        elif self.dp_replicate * self.dp_shard * self.tp != self.world_size:
-            problems.append(f"{'dp_replicate × ' if rep else ''}dp_shard × tp = "
-                            f"{self.dp_replicate * self.dp_shard * self.tp} must equal the world size "
-                            f"(torchrun --nproc-per-node × --nnodes)")
-        if self.dp_replicate > 1 and (self.replicate or self.ep > 1):
-            problems.append("dp_replicate > 1 (HSDP) with replicate: true or ep > 1 is not supported")
-        if self.ep > 1 and self.dp_shard % self.ep:
-            problems.append("ep must divide dp_shard")
-        if self.ep > 1 and self.tp > 1:
-            problems.append("ep > 1 with tp > 1 is not supported by the bundled trainer")
-        if self.ep > 1 and self.replicate:
-            problems.append("ep > 1 with replicate: true is not supported")
-        if model is not None:
-            if self.ep > 1 and model.moe is None:
-                problems.append("ep > 1 needs a MoE model")
-            if model.moe is not None and model.moe.n_experts % self.ep:
-                problems.append(f"ep must divide n_experts ({model.moe.n_experts})")
-            if model.n_heads % self.tp or model.kv_heads % self.tp:
-                problems.append(f"tp must divide n_heads ({model.n_heads}) and n_kv_heads ({model.kv_heads})")
-            if self.tp > 1 and model.ff_dim % self.tp:
-                problems.append(f"tp must divide the feed-forward size ({model.ff_dim})")
-        if problems:
-            raise ConfigError(f"invalid parallel degrees: {d}: " + "; ".join(problems))
-
-    @property
-    def dp(self) -> int:
-        """The data-parallel degree: every rank that reads its own slice of the batch."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        return self.dp > 1
-
-    def dp_rank(self, rank: int) -> int:
-        """Data-parallel rank of a global rank (tp is the innermost mesh dimension)."""
-        return rank // self.tp
-
-
-@dataclass
-class Meshes:
-    dense: Any
-    fsdp: Any | None
-    tp: Any | None
-    expert: Any | None
-
-
-def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dims.world_size == 1 and not dist.is_initialized():
-        return Meshes(None, None, None, None)  # one process, no process group (python -m trainer)
-    if dims.replicate or dims.dp_replicate > 1:
-        # HSDP: ranks (r, s, t) with global rank (r·dp_shard + s)·tp + t — a shard group is
-        # dp_shard × tp consecutive ranks, i.e. one node when dp_shard × tp = GPUs per node.
-        shape = (dims.dp, 1, dims.tp) if dims.replicate else (dims.dp_replicate, dims.dp_shard, dims.tp)
-        dense = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        fsdp = dense["dp_replicate", "dp_shard"] if dims.dp > 1 else None
-    else:
-        dense = init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=("dp_shard", "tp"))
-        fsdp = dense["dp_shard"] if dims.dp > 1 else None
-    tp = dense["tp"] if dims.tp > 1 else None
-    expert = None
-    if dims.ep > 1:
-        expert = init_device_mesh(device_type, (dims.dp // dims.ep, dims.ep), mesh_dim_names=("dp_rep", "ep"))
-    return Meshes(dense, fsdp, tp, expert)
+from trainer.parallel_dims import Meshes, ParallelDims, build_meshes  # noqa: F401 - build_meshes: imported from here
 
 
 def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
