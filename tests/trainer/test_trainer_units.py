@@ -354,7 +354,7 @@ _ONE_RANK_READ_FAILS_SCRIPT = '''
 import sys
 import torch
 import torch.distributed as dist
-from trainer import checkpoint
+from trainer import checkpoint_resume
 from trainer.checkpoint import CheckpointManager
 
 class Loader:
@@ -379,7 +379,7 @@ dist.barrier()
 calls = [0]
 if rank == 1:  # rank 1 only, reading step-2's metadata: twice a storage error, or always a bad pickle
     import pickle
-    orig = checkpoint._reader
+    orig = checkpoint_resume._reader
     def flaky(uri):
         r = orig(uri)
         if uri.endswith("step-2"):
@@ -392,7 +392,7 @@ if rank == 1:  # rank 1 only, reading step-2's metadata: twice a storage error, 
                 return orig(uri).read_metadata()
             r.read_metadata = boom
         return r
-    checkpoint._reader = flaky
+    checkpoint_resume._reader = flaky
 fresh = CheckpointManager(sys.argv[1], keep=3, async_mode="sync", rank=rank, world_size=2, dp_rank=rank,
                           describe={})
 train = fresh.load_latest(model, opt, Loader())
