@@ -270,7 +270,7 @@ def test_moe_under_autocast_takes_the_grouped_gemm(monkeypatch):
     seen, syncs = [], []
     real_fwd, real_tolist = tm.Experts.forward, torch.Tensor.tolist
     monkeypatch.setattr(tm.Experts, "forward", lambda self, x, *a, **k: (seen.append(x.dtype), real_fwd(self, x, *a, **k))[1])
-    monkeypatch.setattr(tm, "_gmm_ok", lambda x, w: x.dtype == torch.bfloat16)
+    monkeypatch.setattr("trainer.moe._gmm_ok", lambda x, w: x.dtype == torch.bfloat16)
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (syncs.append(1), real_tolist(self))[1])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = moe(torch.randn(2, 16, 64))
