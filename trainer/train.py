@@ -21,6 +21,9 @@ Order of events (every failure before step 1 is a one-line error and exit 2):
      a sha256 of every parameter: equal digests = bit-identical models; on CPU, or on GPU only
      when ``DTRUN_PARAM_DIGEST=1`` — a full-model gather to rank 0 is minutes of idle GPUs at 70B,
      and GPU runs are not bitwise reproducible anyway) → exit 0.
+
+Steps 1–3 (the checks, the probe, the heartbeat, the parts the loop trains with) are
+:mod:`trainer.build`; this module is the run's order of events and the loop.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from typing import Any
 
 from orchestrator.contract import runuri
 from orchestrator.contract.runuri import EXIT_BAD_CONFIG, EXIT_DONE, EXIT_PREEMPTED
+from trainer.build import build_parts, check_job, probe_run_uri, start_heartbeat
+from trainer.build import check_data_vocab  # noqa: F401 - trainer.train.check_data_vocab, as datacheck.py names it
 from trainer.errors import CheckpointUnavailable, ConfigError, SavesFailing
 
 log = logging.getLogger("trainer")
@@ -68,20 +72,6 @@ def _normalize_uri(uri: str) -> str:
     return uri
 
 
-def probe_run_uri(uri: str) -> None:
-    """Write, read back and delete a small object under the run URI, or raise ConfigError."""
-    probe = runuri.join(uri, f".dtrun-probe-{uuid.uuid4().hex[:8]}")
-    try:
-        runuri.write_text(probe, "ok")
-        if runuri.read_text(probe) != "ok":
-            raise OSError("read back a different value")
-        runuri.remove(probe)
-    except Exception as e:  # noqa: BLE001 - every storage error means "unusable"
-        msg = str(e).splitlines()[0] if str(e) else ""
-        raise ConfigError(f"run URI {uri} is not usable (write/read/delete failed): "
-                          f"{type(e).__name__}: {msg[:300]}") from None
-
-
 class _Flags:
     def __init__(self) -> None:
         self.sigterm = False
@@ -104,18 +94,6 @@ def _stop_poller(uri: str, flags: _Flags, done: threading.Event) -> None:
         except Exception:  # noqa: BLE001 - a failed poll is retried on the next tick
             pass
         done.wait(0.5)
-
-
-def check_data_vocab(data: str, vocab_size: int) -> None:
-    """A job whose model vocabulary is smaller than its data's tokenizer (the ``data prepare``
-    manifest beside ``trainer.data``) is refused: its token ids would index past the embedding."""
-    from orchestrator.contract.dataset import read_manifest
-
-    m = read_manifest(data)
-    if m and int(m.get("vocab_size") or 0) > vocab_size:
-        raise ConfigError(f"trainer.model: vocab_size {vocab_size} is smaller than the data's tokenizer "
-                          f"({(m.get('tokenizer') or {}).get('name')}, {m['vocab_size']} tokens, manifest of "
-                          f"{data}); use a model with vocab_size ≥ {m['vocab_size']}")
 
 
 PARAM_DIGEST_ENV = "DTRUN_PARAM_DIGEST"
@@ -205,50 +183,11 @@ class Run:
         self.abandoned_upload = False
 
     def run(self) -> int:
-        from trainer.parallel import ParallelDims
-
         # From here on a SIGTERM is remembered and honoured after the next step (with a checkpoint).
         self.flags = _Flags()
         signal.signal(signal.SIGTERM, self.flags.on_sigterm)
 
-        t = self.spec.trainer
-        ms = t.model_spec
-        dims = ParallelDims.from_spec(self.spec, self.world)
-        dims.validate(ms)  # before any process group
-        if t.batch_size % dims.dp:
-            raise ConfigError(f"trainer.batch_size ({t.batch_size}) must be divisible by the data-parallel "
-                              f"degree ({dims.dp})")
-        mb = t.micro_batch_size or t.batch_size // dims.dp
-        if t.batch_size % (dims.dp * mb):
-            raise ConfigError(f"trainer.batch_size ({t.batch_size}) must be a multiple of micro_batch_size "
-                              f"({mb}) × data-parallel degree ({dims.dp})")
-        if dims.tp > 1 and t.seq_len % dims.tp:
-            raise ConfigError(f"trainer.seq_len ({t.seq_len}) must be divisible by tp ({dims.tp}): tensor "
-                              "parallelism shards the sequence between blocks (sequence parallel)")
-        if t.fp8:
-            import importlib.util
-
-            if dims.tp > 1:
-                # Plain Colwise/RowwiseParallel on torchao's Float8Linear is untested and at best
-                # leaves the TP collectives in bf16; torchao's Float8*Parallel styles are not wired in.
-                raise ConfigError(f"trainer.fp8 with parallel.tp {dims.tp} is not supported (the float8 "
-                                  f"tensor-parallel styles are not wired in); use tp 1 or fp8: false")
-            if importlib.util.find_spec("torchao") is None:
-                raise ConfigError("trainer.fp8: true needs torchao (pip install torchao); it is not installed")
-            if not t.compile and self.rank == 0:
-                log.warning("trainer.fp8 without trainer.compile: torchao's float8 linears are slower than "
-                            "bf16 uncompiled (torchao: compile is needed for competitive speed); set "
-                            "trainer.compile: true")
-        check_data_vocab(t.data, ms.vocab_size)
-        import importlib.util
-
-        for tracker, mod in (("tensorboard", "tensorboardX"), ("wandb", "wandb")):
-            if tracker in t.trackers and importlib.util.find_spec(mod) is None:
-                raise ConfigError(f"trainer.trackers: {tracker} needs the {mod} package (pip install {mod})")
-        if t.eval_every and t.val_data is None and t.data == "synthetic":
-            raise ConfigError("trainer.eval_every needs validation shards: set trainer.val_data or train on "
-                              "`dtrun data prepare` output (its val_*.bin shards are used)")
-        self.dims, self.mb = dims, mb
+        self.dims, self.mb = check_job(self.spec, self.world, self.rank)
         return self._run_distributed()
 
     def _run_distributed(self) -> int:
@@ -278,7 +217,7 @@ class Run:
                 err = box[0]
             if err:
                 raise ConfigError(err)
-            self.metrics = self._start_heartbeat()
+            self.metrics = start_heartbeat(self.spec, self.run_uri, self.rank, self.world, self.device)
             try:
                 return self._train()
             finally:
@@ -287,123 +226,22 @@ class Run:
             if dist.is_initialized() and not self.abandoned_upload:  # an abandoned upload may still use it
                 dist.destroy_process_group()
 
-    def _staging_mode(self, params: list) -> str:
-        """``async``, or ``sync`` when the pinned staging copies of this node's ranks (fp32 weights
-        + optimizer state: at most 3× the local parameter bytes, AdamW's) do not fit its available
-        host memory. Every rank takes the same mode (one all-reduce)."""
-        import torch
-        import torch.distributed as dist
-
-        from trainer.checkpoint import mem_available, staging_fits
-
-        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params) * 4
-        ok, why = staging_fits(local * 3, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), mem_available())
-        flag = torch.tensor([1.0 if ok else 0.0])
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if flag.item() >= 1:
-            return "async"
-        log.warning("checkpoint.async_mode async → sync (every rank saves the same way): %s", why)
-        return "sync"
-
-    def _trackers(self):
-        t = self.spec.trainer
-        if not t.trackers or self.rank != 0:
-            return None
-        from trainer.trackers import Trackers
-
-        return Trackers(t.trackers, run_uri=self.run_uri, job=self.spec.name,
-                        attempt=int(os.environ.get("DTRUN_ATTEMPT", "0") or 0),
-                        config={"model": str(t.model), "steps": t.total_steps, "batch_size": t.batch_size,
-                                "seq_len": t.seq_len, "lr": t.lr, "world_size": self.world})
-
-    def _start_heartbeat(self):
-        """Metrics with the heartbeat thread running (phase ``starting``): from here on rank 0
-        rewrites progress.json every ``trainer.heartbeat_seconds``, whatever the main thread is
-        doing (building the model, loading a checkpoint, compiling the first step)."""
-        from trainer.metrics import Metrics, peak_flops
-
-        t = self.spec.trainer
-        metrics = Metrics(self.run_uri, rank=self.rank, steps=t.total_steps, world_size=self.world,
-                          tokens_per_step=t.tokens_per_step, flops_per_token=t.model_spec.flops_per_token(t.seq_len),
-                          peak_flops_per_rank=peak_flops(self.device.type), heartbeat_s=t.heartbeat_seconds,
-                          log_every=t.log_every, stall_s=self.spec.recovery.heartbeat_timeout_seconds / 2,
-                          trackers=self._trackers())
-        step, committed = 0, None
-        if self.rank == 0:
-            try:  # until the resume, report the step it will most likely resume from
-                lc = runuri.latest_committed(self.run_uri)
-                if lc:
-                    step = committed = lc[0]
-            except Exception:  # noqa: BLE001 - only a hint; the load decides
-                pass
-        metrics.start_heartbeat(step, committed)
-        return metrics
-
     def _train(self) -> int:
         import torch
         import torch.distributed as dist
 
-        from trainer.checkpoint import HARD_EXIT_MARGIN_S, NOTICE_S, CheckpointManager, emergency_plan, param_digest
-        from trainer.distenv import collective_timeout, peer_lost
-        from trainer.data import DataLoader, build_source, build_val_source
-        from trainer.model import add_aux, build_model, local_value, loss_context, loss_fn
-        from trainer.optim import build_optimizer, lr_at
-        from trainer.parallel import (DynamicLossScaler, amp_context, build_meshes, clip_grad_norm_,
-                                      finish_expert_grads, held_grad_bytes, parallelize, sharded_state_bytes)
+        from trainer.checkpoint import HARD_EXIT_MARGIN_S, NOTICE_S, emergency_plan, param_digest
+        from trainer.distenv import peer_lost
+        from trainer.model import add_aux, local_value, loss_context, loss_fn
+        from trainer.optim import lr_at
+        from trainer.parallel import (amp_context, clip_grad_norm_, finish_expert_grads, held_grad_bytes,
+                                      sharded_state_bytes)
 
         spec, t, dims, device = self.spec, self.spec.trainer, self.dims, self.device
-        ms = t.model_spec
-        torch.manual_seed(t.seed + self.rank)
-        on_gpu = device.type == "cuda"
-        param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision) if on_gpu else None
-        if on_gpu:
-            torch.backends.cuda.matmul.allow_tf32 = True
-        # fp16: dynamic loss scaling (also on CPU, where compute stays fp32: same maths, tested there).
-        scaler = DynamicLossScaler(enabled=t.precision == "fp16")
-
-        meshes = build_meshes(dims, device.type)
-        model = build_model(ms, device="meta")
-        parallelize(model, dims, meshes, device=device, activation_checkpointing=t.activation_checkpointing,
-                    compile=t.compile and on_gpu, fp8=t.fp8, param_dtype=param_dtype,
-                    reshard_after_forward=(spec.trainer.parallel.reshard_after_forward
-                                           if spec.trainer.parallel != "auto" else True))
-        if t.compile and not on_gpu and self.rank == 0:
-            log.info("trainer.compile ignored on CPU")
-        model.to_empty(device=device)
-        if ms.tie_embeddings and model.head.weight is not model.tok_emb.weight:
-            model.head.weight = model.tok_emb.weight
-        model.train()
-        params = list(model.parameters())
-        optimizer = build_optimizer(model, t, device)
-
-        dp_rank = dims.dp_rank(self.rank)
-        source = build_source(t.data, t.seq_len, ms.vocab_size, t.seed)
-        loader = DataLoader(source, global_batch=t.batch_size, micro_batch=self.mb, dp_rank=dp_rank,
-                            dp=dims.dp, device=device)
-        from trainer.evaluate import Evaluator
-
-        vsrc = build_val_source(t.data, t.val_data, t.seq_len, ms.vocab_size, t.seed)
-        if t.eval_every and vsrc is None:
-            raise ConfigError(f"trainer.eval_every: no validation shards (val_*.bin) beside {t.data}; set "
-                              f"trainer.val_data")
-        evaluator = (Evaluator(vsrc, seq_len=t.seq_len, eval_tokens=t.eval_tokens, micro_batch=self.mb,
-                               dp=dims.dp, dp_rank=dp_rank) if vsrc is not None else None)
-        if evaluator is not None:
-            evaluator.check()
-        describe = {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate,
-                    "dp_replicate": dims.dp_replicate}
-        async_mode = spec.checkpoint.async_mode
-        if on_gpu and async_mode == "async":
-            async_mode = self._staging_mode(params)
-        ckpt = CheckpointManager(self.run_uri, keep=spec.checkpoint.keep, async_mode=async_mode,
-                                 rank=self.rank, world_size=self.world, dp_rank=dp_rank, describe=describe,
-                                 pinned=on_gpu, timeout=collective_timeout(spec))
-        if scaler.enabled:
-            ckpt.register("loss_scaler", scaler)
-        # Fresh start: each rank draws only its own shard of the initial weights (model.py). Resuming:
-        # the checkpoint overwrites every parameter, so skip drawing them; buffers are still zeroed.
-        model.init_weights(t.seed, params=not ckpt.committed_steps())
+        parts = build_parts(spec, dims, self.mb, device, self.rank, self.world, self.run_uri)
+        model, params, optimizer, loader, evaluator, ckpt = (parts.model, parts.params, parts.optimizer,
+                                                             parts.loader, parts.evaluator, parts.ckpt)
+        scaler, meshes, on_gpu, param_dtype = parts.scaler, parts.meshes, parts.on_gpu, parts.param_dtype
         total = t.total_steps
         metrics = self.metrics
 
