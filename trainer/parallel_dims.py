@@ -30,6 +30,8 @@ class ParallelDims:
     world_size: int
     replicate: bool = False
     dp_replicate: int = 1
+    pp: int = 1
+    cp: int = 1
 
     @classmethod
     def from_spec(cls, spec: Any, world_size: int) -> "ParallelDims":
@@ -39,19 +41,21 @@ class ParallelDims:
         if raw == "auto":
             return cls(world_size, 1, 1, world_size, False)
         rep = raw.dp_replicate
-        dp = raw.dp_shard if raw.dp_shard != -1 else max(1, world_size // (raw.tp * rep))
-        return cls(dp, raw.tp, raw.ep, world_size, raw.replicate, rep)
+        dp = raw.dp_shard if raw.dp_shard != -1 else max(1, world_size // (raw.tp * rep * raw.pp * raw.cp))
+        return cls(dp, raw.tp, raw.ep, world_size, raw.replicate, rep, raw.pp, raw.cp)
 
     def validate(self, model: ModelSpec | None = None) -> None:
         rep = f"dp_replicate ({self.dp_replicate}) × " if self.dp_replicate > 1 else ""
-        d = f"{rep}dp_shard ({self.dp_shard}) × tp ({self.tp}), ep ({self.ep}), world size ({self.world_size})"
+        pp = f"pp ({self.pp}) × " if self.pp > 1 else ""
+        cp = f" × cp ({self.cp})" if self.cp > 1 else ""
+        d = f"{pp}{rep}dp_shard ({self.dp_shard}){cp} × tp ({self.tp}), ep ({self.ep}), world size ({self.world_size})"
         problems = []
-        if self.dp_shard < 1 or self.tp < 1 or self.ep < 1 or self.dp_replicate < 1:
+        if min(self.dp_shard, self.tp, self.ep, self.dp_replicate, self.pp, self.cp) < 1:
             problems.append("every degree must be ≥ 1")
-        elif self.dp_replicate * self.dp_shard * self.tp != self.world_size:
-            problems.append(f"{'dp_replicate × ' if rep else ''}dp_shard × tp = "
-                            f"{self.dp_replicate * self.dp_shard * self.tp} must equal the world size "
-                            f"(torchrun --nproc-per-node × --nnodes)")
+        elif self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp != self.world_size:
+            names = ("pp × " if pp else "") + ("dp_replicate × " if rep else "") + "dp_shard" + (" × cp" if cp else "") + " × tp"
+            problems.append(f"{names} = {self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp} "
+                            f"must equal the world size (torchrun --nproc-per-node × --nnodes)")
         if self.dp_replicate > 1 and (self.replicate or self.ep > 1):
             problems.append("dp_replicate > 1 (HSDP) with replicate: true or ep > 1 is not supported")
         if self.ep > 1 and self.dp_shard % self.ep:
@@ -89,9 +93,26 @@ class ParallelDims:
     def fsdp_enabled(self) -> bool:
         return self.dp > 1
 
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
     def dp_rank(self, rank: int) -> int:
-        """Data-parallel rank of a global rank (tp is the innermost mesh dimension)."""
-        return rank // self.tp
+        """Data-parallel rank of a global rank. The mesh is (pp, dp_replicate, dp_shard, cp, tp),
+        tp innermost: rank = (((pp_i·R + r)·S + s)·C + c)·T + t; cp and tp ranks read the same batch."""
+        return (rank // (self.tp * self.cp)) % self.dp
+
+    def cp_rank(self, rank: int) -> int:
+        """Which sequence shard a global rank holds (0 when cp = 1)."""
+        return (rank // self.tp) % self.cp
+
+    def pp_rank(self, rank: int) -> int:
+        """Which pipeline stage (group) a global rank runs (0 when pp = 1)."""
+        return rank // (self.world_size // self.pp)
 
 
 @dataclass
@@ -105,6 +126,9 @@ class Meshes:
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     from torch.distributed.device_mesh import init_device_mesh
 
+    if dims.pp > 1 or dims.cp > 1:
+        raise ConfigError(f"trainer.parallel: pp ({dims.pp}) and cp ({dims.cp}) > 1 are not supported by "
+                          "this trainer build")
     if dims.world_size == 1 and not dist.is_initialized():
         return Meshes(None, None, None, None)  # one process, no process group (python -m trainer)
     if dims.replicate or dims.dp_replicate > 1:

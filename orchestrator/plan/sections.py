@@ -81,7 +81,7 @@ class Resources(_Model):
 
 
 class Parallel(_Model):
-    """Parallel degrees. dp_replicate × dp_shard × tp = GPUs in the job; ep divides dp_shard × tp."""
+    """Parallel degrees. pp × dp_replicate × dp_shard × cp × tp = GPUs in the job; ep divides dp_shard × tp."""
 
     dp_replicate: int = Field(1, gt=0)
     """HSDP: replicas of the FSDP shard group (FSDP2's 2-D mesh ``(dp_replicate, dp_shard)``): each
@@ -98,6 +98,21 @@ class Parallel(_Model):
     """DDP-style replication instead of sharding over the data-parallel ranks (planner's rung 1)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3-like); false keeps them (ZeRO-2-like)."""
+    pp: int = Field(1, gt=0)
+    """Pipeline-parallel degree: the layers split into pp stages across ranks (the outermost mesh
+    dimension, so with one stage per node only activations cross the nodes' link)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"] = "1f1b"
+    """The pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, interleaved-1f1b, zbv
+    (zero-bubble V), dualpipev. The interleaved and V schedules hold several stages per rank."""
+    pp_stages_per_rank: int | None = Field(None, gt=0)
+    """Virtual stages per rank; default 1 for gpipe/1f1b, 2 for interleaved-1f1b, zbv, dualpipev
+    (the V schedules need exactly 2)."""
+    pp_microbatches: int | None = Field(None, gt=0)
+    """Microbatches per optimizer step fed through the pipeline; default: the gradient-accumulation
+    count (batch_size / (dp × micro_batch_size)). Fewer than the stages leaves a bubble or hangs."""
+    cp: int = Field(1, gt=0)
+    """Context-parallel degree: each rank holds seq_len / cp tokens of every sequence (head-tail
+    balanced); keys and values are gathered for attention. seq_len must be divisible by 2·cp."""
 
     @field_validator("dp_shard")
     @classmethod

@@ -69,6 +69,14 @@ class JobSpec(_Model):
         n = r.total_gpus
         if isinstance(t.parallel, Parallel):
             p = t.parallel
+            if p.pp * p.cp > 1:
+                if n % (p.pp * p.cp):
+                    raise ValueError(f"trainer.parallel: pp ({p.pp}) × cp ({p.cp}) must divide the job's GPUs "
+                                     f"({r.nodes} nodes × {r.gpus_per_node} = {n})")
+                if p.cp > 1 and t.seq_len % (2 * p.cp):
+                    raise ValueError(f"trainer.parallel.cp ({p.cp}): trainer.seq_len ({t.seq_len}) must be "
+                                     f"divisible by 2 × cp = {2 * p.cp} (head-tail balanced sequence shards)")
+                n //= p.pp * p.cp  # the rest of the checks are per pipeline stage and context group
             if n % p.tp:
                 raise ValueError(f"trainer.parallel.tp ({p.tp}) must divide the job's GPUs "
                                  f"({r.nodes} nodes × {r.gpus_per_node} = {n})")
@@ -124,7 +132,7 @@ class JobSpec(_Model):
         p = self.trainer.parallel
         if p == "auto":
             return Parallel(dp_shard=n, tp=1, ep=1)
-        dp = p.dp_shard if p.dp_shard != -1 else n // (p.tp * p.dp_replicate)
+        dp = p.dp_shard if p.dp_shard != -1 else n // (p.tp * p.dp_replicate * p.pp * p.cp)
         return p.model_copy(update={"dp_shard": dp})
 
     @property
