@@ -90,8 +90,18 @@ def snapshot_rows() -> list[PriceRow]:
                 source=f"snapshot {snap['date']}: {snap['sources'][r['provider']]}",
                 date=snap["date"], note=r.get("note", ""),
                 instance_type=it.format(n=count) if it else None,
+                spot_note=snapshot_spot_note(snap, r),
             ))
     return rows
+
+
+def snapshot_spot_note(snap: dict[str, Any], row: dict[str, Any]) -> str:
+    """Where a snapshot row's spot figure comes from, and the same file's on-demand beside it
+    (the spot figures and the on-demand rows are from different catalogs)."""
+    if "spot_price" not in row:
+        return ""
+    src = " ".join(str((snap.get("spot_sources") or {}).get(row["provider"], "")).split())
+    return "; ".join(x for x in (src, row.get("spot_vs", "")) if x)
 
 
 def positive(v: Any) -> float | None:
