@@ -80,6 +80,9 @@ RULES = [
     ("orchestrator.plan", ("orchestrator.run", "orchestrator.cli", "trainer") + HEAVY,
      "plan is pure Python: no run/, cli/, trainer, torch or provider SDK"),
     ("orchestrator.run", ("orchestrator.cli",), "nothing imports cli"),
+    ("orchestrator.run", ("orchestrator.server",), "the server builds on run/, not the other way round"),
+    ("orchestrator.server", ("orchestrator.cli", "trainer"),
+     "the server's state and replicas import contract, plan, run and providers; never cli or the trainer"),
     ("orchestrator.run", ("trainer",),
      "run/ reaches the trainer only through the contract (the run URI, the dataset) or a subprocess"),
     ("providers", ("orchestrator.plan", "orchestrator.run", "orchestrator.cli", "trainer"),
@@ -187,7 +190,7 @@ def test_no_import_loops():
 
 
 @pytest.mark.parametrize("pkg", ["orchestrator", "orchestrator/contract", "orchestrator/plan", "orchestrator/run",
-                                 "orchestrator/cli", "providers", "trainer"])
+                                 "orchestrator/server", "orchestrator/cli", "providers", "trainer"])
 def test_every_package_says_what_it_is_for(pkg):
     doc = ast.get_docstring(ast.parse((ROOT / pkg / "__init__.py").read_text()))
     assert doc and "import" in doc, f"{pkg}/__init__.py: docstring must say what it is for and what it may import"
