@@ -2,9 +2,10 @@
 # Host packages the Lambda lab needs (root, Debian/Ubuntu): OpenSSH's sshd and rsync (SkyPilot
 # shells out to both, on both ends), sudo (SkyPilot's setup needs passwordless sudo on a node),
 # tini (PID 1 of a node). Installed only when missing; the host's sshd is never started.
+# postgresql: the server tests (tests/orchestrator/server) run initdb/pg_ctl (needed on PATH; Debian puts them in /usr/lib/postgresql/*/bin).
 set -euo pipefail
 missing=()
-for b in /usr/sbin/sshd:openssh-server /usr/bin/rsync:rsync /usr/bin/sudo:sudo /usr/bin/tini:tini /usr/bin/ssh:openssh-client; do
+for b in /usr/lib/postgresql:postgresql /usr/sbin/sshd:openssh-server /usr/bin/rsync:rsync /usr/bin/sudo:sudo /usr/bin/tini:tini /usr/bin/ssh:openssh-client; do
   [ -x "${b%%:*}" ] || missing+=("${b##*:}")
 done
 [ ${#missing[@]} -eq 0 ] && exit 0

@@ -1,0 +1,122 @@
+"""A controller replica: claims jobs through their leases and ticks each one's controller.
+
+The seam (the smallest one ``orchestrator.run`` already has): a ``Controller`` is rebuilt from the
+job's spec and the state store alone, and its ``start()`` re-attaches to an active job — it finds
+the attempt and the nodes recorded there (provider handle: instance id, name) and watches them; it
+never launches again for an attempt whose node is recorded. So a replica keeps one ``Controller``
+per job it owns and calls ``tick()`` on each; a replica that takes a job over from a dead one just
+builds a new ``Controller`` for it. Spend is booked by the controller's ledger in the state store
+per attempt, each row up to ``billed_until``: the new owner books on from where the old one
+stopped (no gap) and never re-books time already booked (no double count). After each tick the
+replica copies the job's state and booked spend into the server's ``jobs`` row, *fenced* by its
+lease epoch (``orchestrator.server.leases.fenced``).
+
+Fencing and launches: a replica ticks a job only right after renewing its lease, and only while
+more than half the lease's TTL is left; a tick (launches run in a worker thread the tick waits on
+for at most ``launch_wait_seconds``) must take less than that. A replica paused longer than that
+between renew and tick is the case this does not cover (the launch itself is not fenced by the
+provider). The controllers' state store stays the SQLite file of ``orchestrator.run.state`` under
+``$DTRUN_HOME``: replicas sharing it must share one machine (or one file system with working
+locks); moving attempts/nodes/spend into the server database is the next step.
+
+While another replica is healthy a replica claims nothing of its jobs: it renews its own leases
+and polls for free or expired ones every tick.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Callable
+
+from sqlalchemy import select
+
+from orchestrator.plan.spec import parse_spec
+from orchestrator.run.clock import Clock, RealClock
+from orchestrator.run.controller import Controller
+from orchestrator.run.state import TERMINAL_STATES, StateStore
+from orchestrator.server import leases
+from orchestrator.server.db import session_scope
+from orchestrator.server.jobs import add_event
+from orchestrator.server.models import Job
+
+# the controller's states → the server's (orchestrator.server.models.JOB_STATES)
+_STATE = {"PENDING": "queued", "PROVISIONING": "running", "RUNNING": "running", "RECOVERING": "running",
+          "STOPPING": "stopping", "SUCCEEDED": "finished", "FAILED": "failed", "CANCELLED": "stopped",
+          "OVER_BUDGET": "stopped"}
+
+
+class Replica:
+    def __init__(self, engine: Any, store: StateStore, providers: dict[str, Any], clock: Clock | None = None,
+                 *, replica_id: str | None = None, ttl: float = leases.TTL_S, max_jobs: int = 50,
+                 make_plan: Callable[[Any], Any] | None = None, **controller_kw: Any) -> None:
+        self.engine, self.store, self.providers = engine, store, providers
+        self.clock = clock or RealClock()
+        self.id = replica_id or f"replica-{uuid.uuid4().hex[:8]}"
+        self.ttl, self.max_jobs = ttl, max_jobs
+        self.make_plan = make_plan
+        self.controller_kw = controller_kw
+        self.owned: dict[int, int] = {}  # job id → epoch
+        self.controllers: dict[int, Controller] = {}
+
+    def tick(self) -> None:
+        """Renew, claim what is free, tick every owned job's controller, write the results back."""
+        now = self.clock.now()
+        with session_scope(self.engine) as s:
+            self.owned = leases.renew(s, self.id, self.owned, now, self.ttl)
+            room = self.max_jobs - len(self.owned)
+            if room > 0:
+                self.owned.update(leases.claim(s, self.id, now, room, self.ttl))
+            specs = {j.id: (j.spec, j.plan) for j in s.scalars(select(Job).where(Job.id.in_(self.owned)))}
+        for jid in list(self.controllers):
+            if jid not in self.owned:  # lost the lease: drop the controller, touch nothing more
+                del self.controllers[jid]
+        renewed_at = now
+        for jid, epoch in list(self.owned.items()):
+            if self.clock.now() - renewed_at > self.ttl / 2:
+                break  # too close to expiry: the next tick renews first
+            ctl = self.controllers.get(jid)
+            if ctl is None:
+                spec = parse_spec(specs[jid][0])
+                plan = self.make_plan(spec) if self.make_plan else None
+                ctl = self.controllers[jid] = Controller(spec, self.store, clock=self.clock, providers=self.providers,
+                                                         plan=plan, **self.controller_kw)
+            try:
+                state = ctl.tick()
+                err = None
+            except Exception as e:  # one bad job never stops the replica's other jobs
+                state, err = None, f"{type(e).__name__}: {e}"
+            self._write_back(jid, epoch, ctl, state, err)
+        self.request_actions()
+
+    def _write_back(self, jid: int, epoch: int, ctl: Controller, state: str | None, err: str | None) -> None:
+        try:
+            with session_scope(self.engine) as s, leases.fenced(s, self.id, jid, epoch) as job:
+                if err is not None:
+                    add_event(s, job, "error", f"{self.id}: tick failed: {err}")
+                    return
+                row = self.store.get_job(ctl.name) or {}
+                new = _STATE.get(state or "", job.state)
+                if new != job.state:
+                    add_event(s, job, "state", f"{new} ({row.get('reason') or state})")
+                job.state, job.reason = new, row.get("reason")
+                job.spend_usd = self.store.spend_total(ctl.name)
+                job.booked_until = self.clock.now()
+                att = ctl.current_attempt()
+                job.attempt = att["n"] if att else 0
+                if state in TERMINAL_STATES:
+                    leases.release(s, self.id, jid, epoch)
+        except leases.LeaseLost:
+            self.owned.pop(jid, None)
+            self.controllers.pop(jid, None)
+            return
+        if state in TERMINAL_STATES:
+            self.owned.pop(jid, None)
+            self.controllers.pop(jid, None)
+
+    def request_actions(self) -> None:
+        """Pass ``request_stop`` from the server's rows to the controllers' store (read each tick)."""
+        with session_scope(self.engine) as s:
+            started = [j for j, c in self.controllers.items() if c.started]
+            for job in s.scalars(select(Job).where(Job.id.in_(started), Job.requested_action.is_not(None))):
+                self.store.request_action(job.spec["name"], job.requested_action)
+                job.requested_action = None
