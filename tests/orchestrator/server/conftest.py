@@ -7,6 +7,7 @@ after a failure. Without the binaries the PostgreSQL tests skip saying so (``mak
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
 import pwd
@@ -25,10 +26,19 @@ def _as_user(cmd: list[str]) -> list[str]:
     return ["runuser", "-u", "nobody", "--"] + cmd
 
 
+def _pg_bin(name: str) -> str | None:
+    """``name`` on PATH, else in Debian's /usr/lib/postgresql/<version>/bin (newest)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    cands = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), key=lambda p: int(p.split("/")[4]))
+    return cands[-1] if cands else None
+
+
 @pytest.fixture(scope="session")
 def pg_cluster(request):
     """The socket folder of a running PostgreSQL cluster (superuser ``dtrun``, trust auth)."""
-    missing = [b for b in ("initdb", "pg_ctl") if shutil.which(b) is None]
+    missing = [b for b in ("initdb", "pg_ctl") if _pg_bin(b) is None]
     if missing or (os.geteuid() == 0 and shutil.which("runuser") is None):
         reason = f"PostgreSQL binaries not on PATH ({', '.join(missing) or 'runuser'}): install postgresql"
         if request.config.getoption("-m") and "e2e" in request.config.getoption("-m") \
@@ -43,16 +53,16 @@ def pg_cluster(request):
     data = os.path.join(base, "data")
     started = False
     try:
-        subprocess.run(_as_user(["initdb", "-D", data, "-A", "trust", "-U", "dtrun", "-E", "UTF8"]),
+        subprocess.run(_as_user([_pg_bin("initdb"), "-D", data, "-A", "trust", "-U", "dtrun", "-E", "UTF8"]),
                        check=True, capture_output=True, cwd=base)
-        subprocess.run(_as_user(["pg_ctl", "-D", data, "-l", os.path.join(base, "log"), "-w", "-o",
+        subprocess.run(_as_user([_pg_bin("pg_ctl"), "-D", data, "-l", os.path.join(base, "log"), "-w", "-o",
                                  f"-k {base} -c listen_addresses='' -c max_connections=200 -c fsync=off",
                                  "start"]), check=True, capture_output=True, cwd=base)
         started = True
         yield base
     finally:
         if started:
-            subprocess.run(_as_user(["pg_ctl", "-D", data, "-m", "immediate", "-w", "stop"]),
+            subprocess.run(_as_user([_pg_bin("pg_ctl"), "-D", data, "-m", "immediate", "-w", "stop"]),
                            capture_output=True, cwd=base)
         shutil.rmtree(base, ignore_errors=True)
 

@@ -102,7 +102,7 @@ def test_replicas_killed_at_random_finish_every_job_once_with_spend_equal_to_the
     assert len([n for n in names if n.endswith("-a1")]) == m_jobs
     assert sorted(n for n in names if n.endswith("-a2")) == ["dtrun-race0-a2", "dtrun-race2-a2", "dtrun-race4-a2"]
     assert [i for i in cloud.instances() if i.gone_at is None] == []
-    assert booked == pytest.approx(cloud.bill()["total_usd"], abs=0.01)
+    assert booked > 0 and booked == pytest.approx(cloud.bill()["total_usd"], abs=0.01)
     assert booked == pytest.approx(sum(store.spend_total(f"race{i}") for i in range(m_jobs)), abs=1e-9)
     assert reattached
     engine.dispose()

@@ -5,9 +5,10 @@
 # postgresql: the server tests (tests/orchestrator/server) run initdb/pg_ctl (needed on PATH; Debian puts them in /usr/lib/postgresql/*/bin).
 set -euo pipefail
 missing=()
-for b in /usr/lib/postgresql:postgresql /usr/sbin/sshd:openssh-server /usr/bin/rsync:rsync /usr/bin/sudo:sudo /usr/bin/tini:tini /usr/bin/ssh:openssh-client; do
+for b in /usr/sbin/sshd:openssh-server /usr/bin/rsync:rsync /usr/bin/sudo:sudo /usr/bin/tini:tini /usr/bin/ssh:openssh-client; do
   [ -x "${b%%:*}" ] || missing+=("${b##*:}")
 done
+command -v initdb >/dev/null || compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || missing+=(postgresql)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ]; then
   echo "lambda lab: needs root to install ${missing[*]} (or install them yourself)" >&2; exit 3
