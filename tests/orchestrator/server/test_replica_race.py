@@ -106,3 +106,39 @@ def test_replicas_killed_at_random_finish_every_job_once_with_spend_equal_to_the
     assert booked == pytest.approx(sum(store.spend_total(f"race{i}") for i in range(m_jobs)), abs=1e-9)
     assert reattached
     engine.dispose()
+
+
+def test_a_second_replica_waits_while_the_first_is_healthy_and_a_paused_one_launches_nothing(tmp_path, db_url):
+    clock = VirtualClock()
+    cloud = FakeProvider(clock=clock, offers=[FakeOfferTemplate("fake-east", "H100", True, 1.0)],
+                         provision_seconds=60, autodown_seconds=None, workload=sim_trainer)
+    cloud.script("dtrun-race0-a1", preempt_after=300)  # the node dies while A is paused
+    store = StateStore(tmp_path / "state.db")
+    engine = make_engine(db_url)
+    upgrade(engine)
+    with session_scope(engine) as s:
+        team = Team(name="ml")
+        s.add(team)
+        s.flush()
+        user = User(team_id=team.id, name="ada")
+        s.add(user)
+        s.flush()
+        submit_job(s, team, user, "race0", spec_dict(tmp_path, 0), None)
+    a, b = (Replica(engine, store, {"fake": cloud}, clock, replica_id=r, ttl=90.0, write_lease=False) for r in "AB")
+    for _ in range(5):  # A healthy: B only polls, claims nothing
+        a.tick()
+        b.tick()
+        clock.advance(30)
+    assert list(a.owned) == [1] and b.owned == {} and b.controllers == {}
+    for _ in range(12):  # A paused (a long GC, SIGSTOP): its lease expires, B takes over and relaunches
+        b.tick()
+        clock.advance(30)
+    assert list(b.owned) == [1]
+    with session_scope(engine) as s:
+        assert s.get(Lease, 1).replica == "B" and s.get(Lease, 1).epoch == 2
+    launched = sorted(i.name for i in cloud.instances())
+    assert launched == ["dtrun-race0-a1", "dtrun-race0-a2"]
+    a.tick()  # A wakes: it finds its lease gone and drops the job without ticking its controller
+    assert a.owned == {} and a.controllers == {}
+    assert sorted(i.name for i in cloud.instances()) == launched
+    engine.dispose()
