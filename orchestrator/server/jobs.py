@@ -20,6 +20,10 @@ def submit_job(session: Session, team: Team, user: User, name: str, spec: dict, 
     """A new ``queued`` job with a free lease row (any replica may claim it)."""
     if session.scalar(select(Job).where(Job.team_id == team.id, Job.name == name)) is not None:
         raise ServerStateError(f"name: a job named {name!r} already exists in team {team.name!r}")
+    if session.scalar(select(Job.id).where(Job.name == name)) is not None:
+        # the controllers' state store (orchestrator.run.state) and the instance names key by job name
+        raise ServerStateError(f"name: a job named {name!r} already exists in another team "
+                               f"(job names are unique on this server)")
     job = Job(team_id=team.id, user_id=user.id, name=name, spec=spec, plan=plan, state="queued")
     session.add(job)
     session.flush()

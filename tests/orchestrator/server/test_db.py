@@ -44,6 +44,15 @@ def test_submit_refuses_a_taken_name_and_stop_is_recorded(engine):
         with session_scope(engine) as s:
             team, user = s.scalars(select(Team)).one(), s.scalars(select(User)).one()
             submit_job(s, team, user, "job0", {}, None)
+    with pytest.raises(ServerStateError, match="name: a job named 'job0' already exists in another team"):
+        with session_scope(engine) as s:
+            other = Team(name="other")
+            s.add(other)
+            s.flush()
+            bob = User(team_id=other.id, name="bob")
+            s.add(bob)
+            s.flush()
+            submit_job(s, other, bob, "job0", {}, None)
     with session_scope(engine) as s:
         request_stop(s, s.get(Job, ids[0]))
     with session_scope(engine) as s:
