@@ -76,12 +76,14 @@ from orchestrator.cli import (  # noqa: E402
     profile,
     report,
     sample,
+    server,
     simulate,
     up,
     weights,
 )
 
-for _noun in (init, check, up, prices, jobs, export, money, simulate, profile, data, weights, sample, report):
+for _noun in (init, check, up, prices, jobs, export, money, simulate, profile, data, weights, sample, report,
+              server):
     app.add_typer(_noun.app)
 
 

@@ -443,6 +443,10 @@ def status(
     json_out: JsonOpt = False,
 ) -> None:
     """Show a job's state, step, spend, attempts and nodes."""
+    from orchestrator.cli import remote
+
+    if remote.target():
+        raise typer.Exit(remote.status(job, json_out))
     raise typer.Exit(cmd_status(job, json_out))
 
 
@@ -473,4 +477,8 @@ def down(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (asked only on a terminal).")] = False,
 ) -> None:
     """Stop a job: STOP → final checkpoint → terminate every node (confirmed)."""
+    from orchestrator.cli import remote
+
+    if remote.target():
+        raise typer.Exit(remote.down(job, now))
     raise typer.Exit(cmd_down(job, now, yes))

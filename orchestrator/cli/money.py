@@ -237,6 +237,15 @@ def gc(
 def cost(
     job: Annotated[Optional[str], typer.Argument(help="Job name (default: every job).")] = None,
     json_out: JsonOpt = False,
+    team: Annotated[bool, typer.Option("--team", help="The team's month on the server: budget, spent, left.")] = False,
 ) -> None:
     """Spend per job and per attempt, beside the estimate."""
+    from orchestrator.cli import remote
+
+    if remote.target():
+        raise typer.Exit(remote.cost(job, team, json_out))
+    if team:
+        from orchestrator.contract.errors import UsageError
+
+        raise UsageError("--team: needs a dtrun server (DTRUN_SERVER and DTRUN_TOKEN, or `dtrun login URL`)")
     raise typer.Exit(cmd_cost(job, json_out))

@@ -237,6 +237,10 @@ def up(
         "--new-run-uri", help="The job is recorded with another run URI: start over at the spec's one.")] = False,
 ) -> None:
     """Estimate, confirm, then run the job to the end (or only estimate, with --dry-run)."""
+    from orchestrator.cli import remote
+
+    if remote.target():  # a dtrun server plans, checks the team's budget and runs the job
+        raise typer.Exit(remote.up(job, dry_run=dry_run, yes=yes, json_out=json_out, strict=strict, force=force))
     if dry_run:
         raise typer.Exit(cmd_dry_run(job, json_out, strict, force))
     raise typer.Exit(cmd_up(job, yes=yes, detach=detach, json_out=json_out, strict=strict, force=force,

@@ -1,0 +1,174 @@
+"""The CLI's client seam to a ``dtrun server``: where the server is (``DTRUN_SERVER`` and
+``DTRUN_TOKEN``, else what ``dtrun login`` saved in ``$DTRUN_HOME/server.json``, mode 0600), one
+HTTP call (stdlib ``urllib``: the CLI stays light), and ``status``/``cost``/``down``/``up`` through
+it. The dry run is computed by the server (``POST /v1/up``) and shown here by the same plan view
+and exit codes as the embedded dry run; the team's budget refusal is exit 3. Without a server the
+commands run embedded, as before: :func:`target` is None.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from orchestrator.contract.errors import (EXIT_INVALID, EXIT_NOT_FOUND, EXIT_OK, EXIT_PROVIDER, DtrunError)
+
+LOGIN_FILE = "server.json"
+
+
+class ServerError(DtrunError):
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def login_path() -> Path:
+    from orchestrator.run.statedb import dtrun_home
+
+    return dtrun_home() / LOGIN_FILE
+
+
+def target() -> tuple[str, str] | None:
+    """(server URL, token), or None: the CLI runs embedded."""
+    url = os.environ.get("DTRUN_SERVER")
+    if url:
+        token = os.environ.get("DTRUN_TOKEN", "")
+        if not token:
+            raise ServerError("DTRUN_TOKEN: DTRUN_SERVER is set but no token (set DTRUN_TOKEN or run "
+                              "`dtrun login URL`)", EXIT_PROVIDER)
+        return url.rstrip("/"), token
+    p = login_path()
+    if p.is_file():
+        try:
+            d = json.loads(p.read_text())
+            return str(d["url"]).rstrip("/"), str(d["token"])
+        except (ValueError, KeyError, TypeError):
+            raise ServerError(f"{p}: unreadable login (run `dtrun login URL` again)", EXIT_INVALID) from None
+    return None
+
+
+def save_login(url: str, token: str) -> Path:
+    p = login_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"url": url.rstrip("/"), "token": token}, f)
+    os.chmod(p, 0o600)
+    return p
+
+
+_CODES = {401: EXIT_PROVIDER, 403: EXIT_PROVIDER, 429: EXIT_PROVIDER, 404: EXIT_NOT_FOUND, 422: EXIT_INVALID}
+
+
+def call(method: str, path: str, body: Any = None, where: tuple[str, str] | None = None,
+         timeout: float = 60.0) -> dict[str, Any]:
+    url, token = where or target()  # type: ignore[misc]
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method,
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            d = json.loads(e.read() or b"{}")
+        except ValueError:
+            d = {}
+        code = d.get("exit_code") if isinstance(d.get("exit_code"), int) else _CODES.get(e.code, 1)
+        err = ServerError(f"server: {d.get('error') or e.reason} (HTTP {e.code})", code)
+        err.body = d  # type: ignore[attr-defined]
+        raise err from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise ServerError(f"server: cannot reach {url}: {getattr(e, 'reason', e)}", EXIT_PROVIDER) from None
+
+
+def _out(d: Any) -> None:
+    sys.stdout.write(json.dumps(d, indent=None, default=str) + "\n")
+
+
+def status(job: str | None, json_out: bool) -> int:
+    from urllib.parse import quote
+
+    d = call("GET", f"/v1/jobs/{quote(job, safe='')}") if job else call("GET", "/v1/jobs")
+    if json_out:
+        _out(d)
+        return EXIT_OK
+    for j in d["jobs"] if not job else [d]:
+        reason = f"  ({j['reason']})" if j.get("reason") else ""
+        print(f"{j['name']:<24} {j['state']:<9} spent ${j['spend_usd'] or 0:,.2f} of est. "
+              f"${j['estimate_usd']:,.2f}{reason}")
+    return EXIT_OK
+
+
+def cost(job: str | None, team: bool, json_out: bool) -> int:
+    from urllib.parse import quote
+
+    if team or not job:
+        d = call("GET", "/v1/cost/team")
+        if json_out:
+            _out(d)
+            return EXIT_OK
+        cap = "no monthly budget" if d["monthly_usd"] is None else f"${d['monthly_usd']:,.2f} a month"
+        print(f"team {d['team']}: {cap}; spent ${d['spent_usd']:,.2f}, running jobs still expected to spend "
+              f"${d['committed_usd']:,.2f}" + ("" if d["left_usd"] is None else f", left ${d['left_usd']:,.2f}"))
+        for j in d["jobs"]:
+            print(f"  {j['name']:<24} {j['state']:<9} ${j['spend_usd'] or 0:,.2f} (est. ${j['estimate_usd']:,.2f})")
+        return EXIT_OK
+    d = call("GET", f"/v1/jobs/{quote(job, safe='')}/cost")
+    if json_out:
+        _out(d)
+    else:
+        print(f"{d['name']}: spent ${d['spend_usd'] or 0:,.2f} of est. ${d['estimate_usd']:,.2f} ({d['state']})")
+    return EXIT_OK
+
+
+def down(job: str, now: bool) -> int:
+    from urllib.parse import quote
+
+    d = call("POST", f"/v1/jobs/{quote(job, safe='')}/down", {"now": now})
+    print(f"{d['name']}: {d['requested_action'] or d['state']} requested; the server's controller stops it")
+    return EXIT_OK
+
+
+def up(job: Path, *, dry_run: bool, yes: bool, json_out: bool, strict: bool, force: bool) -> int:
+    """The server's dry run shown by the CLI's own plan view; then (not ``dry_run``) submit."""
+    import yaml
+
+    from orchestrator.cli.planview import json_default, plan_report, print_plan, print_refusals, verdict_exit_code
+    from orchestrator.plan.spec import load_spec
+    from orchestrator.run.prepare import Prepared
+
+    load_spec(job)  # the file's own errors here, with its line numbers
+    body = yaml.safe_load(Path(job).read_text())
+    try:
+        d = call("POST", "/v1/up", {"spec": body})
+    except ServerError as e:
+        if json_out:
+            _out({"error": str(e), "exit_code": e.exit_code, **getattr(e, "body", {})})
+            return e.exit_code
+        raise
+    p = Prepared.from_dict(d["prepared"], source="server plan")
+    report = plan_report(p.written, p.plan)
+    report["team_month"] = d.get("team_month")
+    code = verdict_exit_code(p.written, p.plan, report, strict, force)
+    if json_out:
+        report["exit_code"] = code
+        sys.stdout.write(json.dumps(report, default=json_default) + "\n")
+    else:
+        print_plan(p.written, p.plan, report)
+        print_refusals(p.plan, report, code, strict, force, str(job))
+    if dry_run or code != EXIT_OK:
+        return code
+    if not yes:
+        import typer
+
+        if not typer.confirm("Submit this job to the server?", default=False):
+            return EXIT_INVALID
+    s = call("POST", "/v1/up", {"spec": body, "confirm": True})
+    print(f"{s['job']['name']}: submitted to the server ({s['job']['state']}); `dtrun status {s['job']['name']}`")
+    return EXIT_OK

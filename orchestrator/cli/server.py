@@ -1,0 +1,146 @@
+"""``dtrun server`` (the HTTP API under uvicorn, optionally with direct TLS), ``dtrun server admin``
+(teams, users, tokens: a token is printed once, only its hash is kept) and ``dtrun login URL``
+(the server and token saved for the CLI in ``$DTRUN_HOME/server.json``, mode 0600)."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Optional
+
+import typer
+
+from orchestrator.contract.errors import EXIT_OK, UsageError
+
+app = typer.Typer()
+server_app = typer.Typer(help="Run the dtrun server: the HTTP API over a SQLite or PostgreSQL database.",
+                         invoke_without_command=True)
+admin_app = typer.Typer(help="Create teams, users and API tokens in the server's database.")
+server_app.add_typer(admin_app, name="admin")
+app.add_typer(server_app, name="server")
+
+DbOpt = Annotated[Optional[str], typer.Option("--database", help="SQLAlchemy URL (default: "
+                                              "$DTRUN_SERVER_DB or sqlite:///$DTRUN_HOME/server.db).")]
+
+
+def _engine(database: str | None):
+    from orchestrator.server.db import make_engine
+    from orchestrator.server.migrate import upgrade
+
+    engine = make_engine(database)
+    upgrade(engine)
+    return engine
+
+
+def cmd_serve(host: str, port: int, database: str | None, tls_cert: str | None, tls_key: str | None) -> int:
+    import logging
+
+    import uvicorn
+
+    from orchestrator.server.api import create_app
+
+    if bool(tls_cert) != bool(tls_key):
+        raise UsageError("--tls-cert and --tls-key: give both for direct TLS, or neither (TLS at a reverse proxy)")
+    for opt, path in (("--tls-cert", tls_cert), ("--tls-key", tls_key)):
+        if path and not os.path.isfile(path):
+            raise UsageError(f"{opt}: no such file {path!r}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app = create_app(_engine(database))
+    # access logs name the method and path only: the token travels in a header, never in the URL
+    uvicorn.run(app, host=host, port=port, ssl_certfile=tls_cert, ssl_keyfile=tls_key, log_level="info",
+                server_header=False)
+    return EXIT_OK
+
+
+@server_app.callback()
+def server(
+    ctx: typer.Context,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8320,
+    database: DbOpt = None,
+    tls_cert: Annotated[Optional[str], typer.Option("--tls-cert", help="PEM certificate for direct TLS.")] = None,
+    tls_key: Annotated[Optional[str], typer.Option("--tls-key", help="PEM private key for direct TLS.")] = None,
+) -> None:
+    """Run the dtrun server: the HTTP API over a SQLite or PostgreSQL database."""
+    if ctx.invoked_subcommand is None:
+        raise typer.Exit(cmd_serve(host, port, database, tls_cert, tls_key))
+
+
+def _find(s, team: str, user: str | None = None):
+    from sqlalchemy import select
+
+    from orchestrator.contract.errors import NotFoundError
+    from orchestrator.server.models import Team, User
+
+    t = s.scalar(select(Team).where(Team.name == team))
+    if t is None:
+        raise NotFoundError(f"team: no team named {team!r}")
+    if user is None:
+        return t, None
+    u = s.scalar(select(User).where(User.team_id == t.id, User.name == user))
+    if u is None:
+        raise NotFoundError(f"user: no user {user!r} in team {team!r}")
+    return t, u
+
+
+@admin_app.command("team")
+def admin_team(
+    name: Annotated[str, typer.Argument(help="Team name.")],
+    monthly_usd: Annotated[Optional[float], typer.Option("--monthly-usd", help="The team's budget a month.")] = None,
+    database: DbOpt = None,
+) -> None:
+    """Create a team (with an optional monthly budget in dollars)."""
+    from orchestrator.server.auth import create_team
+    from orchestrator.server.db import session_scope
+
+    with session_scope(_engine(database)) as s:
+        create_team(s, name, monthly_usd)
+    typer.echo(f"team {name} created")
+
+
+@admin_app.command("user")
+def admin_user(
+    team: Annotated[str, typer.Argument(help="Team name.")],
+    name: Annotated[str, typer.Argument(help="User name.")],
+    role: Annotated[str, typer.Option("--role", help="admin or member.")] = "member",
+    database: DbOpt = None,
+) -> None:
+    """Create a user in a team."""
+    from orchestrator.server.auth import create_user
+    from orchestrator.server.db import session_scope
+
+    with session_scope(_engine(database)) as s:
+        t, _ = _find(s, team)
+        create_user(s, t, name, role)
+    typer.echo(f"user {name} ({role}) created in team {team}")
+
+
+@admin_app.command("token")
+def admin_token(
+    team: Annotated[str, typer.Argument(help="Team name.")],
+    user: Annotated[str, typer.Argument(help="User name.")],
+    database: DbOpt = None,
+) -> None:
+    """Make an API token for a user; it is printed once (only its hash is stored)."""
+    from orchestrator.server.auth import issue_token
+    from orchestrator.server.db import session_scope
+
+    with session_scope(_engine(database)) as s:
+        _, u = _find(s, team, user)
+        token = issue_token(s, u)
+    typer.echo(token)
+
+
+@app.command()
+def login(
+    url: Annotated[str, typer.Argument(help="The server, e.g. https://dtrun.example.com.")],
+    token: Annotated[Optional[str], typer.Option("--token", help="API token (default: $DTRUN_TOKEN, else asked).")] = None,
+) -> None:
+    """Save a dtrun server and token for this CLI ($DTRUN_HOME/server.json, mode 0600)."""
+    from orchestrator.cli import remote
+
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"URL: {url!r} must start with https:// (or http:// for a local server)")
+    token = token or os.environ.get("DTRUN_TOKEN") or typer.prompt("API token", hide_input=True)
+    who = remote.call("GET", "/v1/whoami", where=(url.rstrip("/"), token))
+    path = remote.save_login(url, token)
+    typer.echo(f"logged in to {url} as {who['user']} ({who['role']}, team {who['team']}); saved in {path}")
