@@ -82,3 +82,19 @@ def test_two_replicas_never_hold_one_job_and_a_stale_epoch_is_fenced(engine):
     with session_scope(engine) as s:
         assert s.get(Job, j).spend_usd == 1.0
         assert s.get(Lease, j).replica == "B"
+
+
+def test_postgresql_claims_at_the_same_moment_skip_each_others_locked_rows(pg_url):
+    """Two replicas claiming while the other's transaction is still open: on PostgreSQL the second
+    skips the rows the first locked (no wait, no double claim)."""
+    engine = make_engine(pg_url)
+    upgrade(engine)
+    ids = _seed(engine, 4)
+    with session_scope(engine) as a:
+        got_a = leases.claim(a, "A", now=100.0, limit=2)
+        with session_scope(engine) as b:  # A has not committed: its two rows stay locked
+            got_b = leases.claim(b, "B", now=100.0, limit=4)
+    assert len(got_a) == 2 and len(got_b) == 2 and set(got_a) | set(got_b) == set(ids)
+    with session_scope(engine) as s:
+        assert {lease.replica for lease in s.scalars(select(Lease))} == {"A", "B"}
+    engine.dispose()
