@@ -98,3 +98,15 @@ def test_postgresql_claims_at_the_same_moment_skip_each_others_locked_rows(pg_ur
     with session_scope(engine) as s:
         assert {lease.replica for lease in s.scalars(select(Lease))} == {"A", "B"}
     engine.dispose()
+
+
+def test_the_migrations_build_exactly_what_the_models_declare(engine):
+    """No drift between models.py and migrations/ (a column added to one and not the other fails)."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from orchestrator.server.models import Base
+
+    with engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == []
