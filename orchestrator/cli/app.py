@@ -67,6 +67,7 @@ app = typer.Typer(
 # `dtrun up`, `dtrun gc`, … stay top-level (`dtrun data …` is the one group). The order is --help's.
 from orchestrator.cli import (  # noqa: E402
     check,
+    dashboard,
     data,
     export,
     init,
@@ -82,7 +83,7 @@ from orchestrator.cli import (  # noqa: E402
     weights,
 )
 
-for _noun in (init, check, up, prices, jobs, export, money, simulate, profile, data, weights, sample, report,
+for _noun in (init, check, up, prices, jobs, export, money, simulate, profile, data, weights, sample, report, dashboard,
               server):
     app.add_typer(_noun.app)
 
