@@ -99,7 +99,7 @@ class Parallel(_Model):
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3-like); false keeps them (ZeRO-2-like)."""
     pp: int = Field(1, gt=0)
-    """Pipeline-parallel degree: the layers split into pp stages across ranks (the outermost mesh
+    """Not supported yet (a job with pp > 1 is refused before anything is rented). Pipeline-parallel degree: the layers split into pp stages across ranks (the outermost mesh
     dimension, so with one stage per node only activations cross the nodes' link)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"] = "1f1b"
     """The pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, interleaved-1f1b, zbv
@@ -111,7 +111,7 @@ class Parallel(_Model):
     """Microbatches per optimizer step fed through the pipeline; default: the gradient-accumulation
     count (batch_size / (dp × micro_batch_size)). Fewer than the stages leaves a bubble or hangs."""
     cp: int = Field(1, gt=0)
-    """Context-parallel degree: each rank holds seq_len / cp tokens of every sequence (head-tail
+    """Not supported yet (a job with cp > 1 is refused before anything is rented). Context-parallel degree: each rank holds seq_len / cp tokens of every sequence (head-tail
     balanced); keys and values are gathered for attention. seq_len must be divisible by 2·cp."""
 
     @field_validator("dp_shard")
