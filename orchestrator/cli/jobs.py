@@ -467,6 +467,10 @@ def logs(
     """Print the job's controller events and the nodes' output (local log files, or the
     provider's logs for a remote node: SkyPilot's job log of the attempt's cluster). ``--node N``:
     that node's own output, which every node's bootstrap writes to the run URI."""
+    from orchestrator.cli import remote
+
+    if remote.target():  # the server's events for the job (follow: polled)
+        raise typer.Exit(remote.logs(job, follow))
     raise typer.Exit(cmd_logs(job, follow, attempt, node))
 
 

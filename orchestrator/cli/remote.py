@@ -127,6 +127,24 @@ def cost(job: str | None, team: bool, json_out: bool) -> int:
     return EXIT_OK
 
 
+def logs(job: str, follow: bool, poll_s: float = 2.0) -> int:
+    """The job's events on the server; ``follow``: poll for new ones until the job has ended."""
+    import time
+    from datetime import datetime
+    from urllib.parse import quote
+
+    after = 0
+    while True:
+        d = call("GET", f"/v1/jobs/{quote(job, safe='')}/logs?after={after}")
+        for e in d["events"]:
+            stamp = datetime.fromtimestamp(e["time"]).strftime("%Y-%m-%d %H:%M:%S")
+            print(f"{stamp} {e['kind']}: {e['text']}", flush=True)
+            after = max(after, e["id"])
+        if not follow or (d["state"] in ("finished", "failed", "stopped") and not d["events"]):
+            return EXIT_OK
+        time.sleep(poll_s)
+
+
 def down(job: str, now: bool) -> int:
     from urllib.parse import quote
 

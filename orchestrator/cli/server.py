@@ -31,7 +31,8 @@ def _engine(database: str | None):
     return engine
 
 
-def cmd_serve(host: str, port: int, database: str | None, tls_cert: str | None, tls_key: str | None) -> int:
+def cmd_serve(host: str, port: int, database: str | None, tls_cert: str | None, tls_key: str | None,
+              controllers: bool = True) -> int:
     import logging
 
     import uvicorn
@@ -44,10 +45,20 @@ def cmd_serve(host: str, port: int, database: str | None, tls_cert: str | None, 
         if path and not os.path.isfile(path):
             raise UsageError(f"{opt}: no such file {path!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = create_app(_engine(database))
-    # access logs name the method and path only: the token travels in a header, never in the URL
-    uvicorn.run(app, host=host, port=port, ssl_certfile=tls_cert, ssl_keyfile=tls_key, log_level="info",
-                server_header=False)
+    engine = _engine(database)
+    app = create_app(engine)
+    loop = None
+    if controllers:
+        from orchestrator.server.runner import ReplicaThread
+
+        loop = ReplicaThread(engine).start()  # submitted jobs run here, with no CLI process alive
+    try:
+        # access logs name the method and path only: the token travels in a header, never in the URL
+        uvicorn.run(app, host=host, port=port, ssl_certfile=tls_cert, ssl_keyfile=tls_key, log_level="info",
+                    server_header=False)
+    finally:
+        if loop is not None:
+            loop.stop()
     return EXIT_OK
 
 
@@ -59,10 +70,12 @@ def server(
     database: DbOpt = None,
     tls_cert: Annotated[Optional[str], typer.Option("--tls-cert", help="PEM certificate for direct TLS.")] = None,
     tls_key: Annotated[Optional[str], typer.Option("--tls-key", help="PEM private key for direct TLS.")] = None,
+    controllers: Annotated[bool, typer.Option("--controllers/--api-only", help="Run a controller replica "
+                                              "(launches, watches and recovers the submitted jobs) beside the API.")] = True,
 ) -> None:
-    """Run the dtrun server: the HTTP API over a SQLite or PostgreSQL database."""
+    """Run the dtrun server: the HTTP API over a SQLite or PostgreSQL database, and a controller replica."""
     if ctx.invoked_subcommand is None:
-        raise typer.Exit(cmd_serve(host, port, database, tls_cert, tls_key))
+        raise typer.Exit(cmd_serve(host, port, database, tls_cert, tls_key, controllers))
 
 
 def _find(s, team: str, user: str | None = None):

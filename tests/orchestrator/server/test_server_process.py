@@ -1,8 +1,9 @@
 """The real ``dtrun server`` process (uvicorn on 127.0.0.1, a free port, SQLite) and the real CLI
 against it with ``DTRUN_SERVER``/``DTRUN_TOKEN`` and after ``dtrun login``: admin makes a team, a
 user and a token; ``up --dry-run`` is planned by the server and shown by the CLI; ``up --yes``
-submits; ``status``, ``cost --team`` and ``down`` read the server. The server is stopped after
-(no process left)."""
+submits, and the server's own controller replica runs the job (the CLI's home never gets a state
+store); ``status``, ``cost --team``, ``logs`` and ``down`` (which stops the running job) read the
+server. The server is stopped after (no process left)."""
 
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def server(tmp_path):
     token = _dtrun(["server", "admin", "token", "alpha", "ann", "--database", db], env).stdout.strip()
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
+    server_env = env | {"DTRUN_HOME": str(tmp_path / "server-home")}  # the server's machine, not the CLI's
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "server", "--port", str(port),
-                             "--database", db], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             "--database", db], cwd=ROOT, env=server_env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -73,11 +75,21 @@ def server(tmp_path):
     assert proc.poll() is not None
 
 
+def _wait_state(env, job, want, timeout=240):
+    deadline = time.monotonic() + timeout
+    while True:
+        st = json.loads(_dtrun(["status", job, "--json"], env).stdout)
+        if st["state"] == want:
+            return st
+        assert time.monotonic() < deadline, (want, st)
+        time.sleep(1)
+
+
 def test_cli_against_a_real_server(server):
     env, tmp = dict(server["env"]), server["tmp"]
     job = tmp / "job.yaml"
     job.write_text(f"name: remote1\nresources: {{providers: [local], gpu: cpu}}\n"
-                   f"trainer: {{model: tiny, steps: 20, batch_size: 4, seq_len: 32}}\n"
+                   f"trainer: {{model: tiny, steps: 100000, batch_size: 4, seq_len: 32}}\n"
                    f"checkpoint: {{uri: 'file://{tmp}/runs/remote1'}}\nbudget: {{max_usd: 5}}\n")
     # no token: one line, exit 5, no traceback
     r = _dtrun(["status"], env | {"DTRUN_SERVER": server["url"]}, check=False)
@@ -92,7 +104,8 @@ def test_cli_against_a_real_server(server):
     _dtrun(["up", str(job), "--yes"], remote)
     assert not (tmp / "home" / "state.db").exists()  # nothing ran embedded
     st = json.loads(_dtrun(["status", "remote1", "--json"], remote).stdout)
-    assert st["name"] == "remote1" and st["state"] == "queued"
+    assert st["name"] == "remote1" and st["state"] in ("queued", "running")
+    _wait_state(remote, "remote1", "running")  # the server's replica launched it: no CLI process runs it
 
     # after login, without the variables; the file is the user's only
     r = _dtrun(["login", server["url"], "--token", server["token"]], env)
@@ -101,6 +114,11 @@ def test_cli_against_a_real_server(server):
     out = _dtrun(["cost", "--team"], env).stdout
     assert "team alpha" in out and "$50.00 a month" in out and "remote1" in out
     assert "stop requested" in _dtrun(["down", "remote1"], env).stdout
+    _wait_state(env, "remote1", "stopped")  # the replica passed the stop to the run's controller
+    kinds = [ln.split(" ", 2)[2] for ln in _dtrun(["logs", "remote1"], env).stdout.splitlines()]
+    assert kinds[0] == "state: queued" and kinds[1].startswith("state: running")
+    assert "request: stop" in kinds and kinds[-1].startswith("state: stopped")
+    assert not (tmp / "home" / "state.db").exists()
     r = _dtrun(["status", "nope"], env, check=False)
     assert r.returncode == 6 and "no job named 'nope'" in r.stderr
     assert server["token"] not in server["log"].read_text()
