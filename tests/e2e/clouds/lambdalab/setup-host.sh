@@ -3,9 +3,11 @@
 # shells out to both, on both ends), sudo (SkyPilot's setup needs passwordless sudo on a node),
 # tini (PID 1 of a node). Installed only when missing; the host's sshd is never started.
 # postgresql: the server tests (tests/orchestrator/server) run initdb/pg_ctl (needed on PATH; Debian puts them in /usr/lib/postgresql/*/bin).
+# chromium, chromium-driver: the dashboard's browser tests (tests/e2e/test_dashboard_browser.py, selenium).
 set -euo pipefail
 missing=()
-for b in /usr/sbin/sshd:openssh-server /usr/bin/rsync:rsync /usr/bin/sudo:sudo /usr/bin/tini:tini /usr/bin/ssh:openssh-client; do
+for b in /usr/sbin/sshd:openssh-server /usr/bin/rsync:rsync /usr/bin/sudo:sudo /usr/bin/tini:tini /usr/bin/ssh:openssh-client \
+         /usr/bin/chromium:chromium /usr/bin/chromedriver:chromium-driver; do
   [ -x "${b%%:*}" ] || missing+=("${b##*:}")
 done
 command -v initdb >/dev/null || compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || missing+=(postgresql)
