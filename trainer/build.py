@@ -66,6 +66,10 @@ def check_job(spec: Any, world: int, rank: int) -> tuple[Any, int]:
     if t.batch_size % (dims.dp * mb):
         raise ConfigError(f"trainer.batch_size ({t.batch_size}) must be a multiple of micro_batch_size "
                           f"({mb}) × data-parallel degree ({dims.dp})")
+    if dims.pp > 1:
+        from trainer.pipeline import pp_config
+
+        pp_config(spec, dims, mb)  # the schedule's refusals, before any process group
     if dims.tp > 1 and t.seq_len % dims.tp:
         raise ConfigError(f"trainer.seq_len ({t.seq_len}) must be divisible by tp ({dims.tp}): tensor "
                           "parallelism shards the sequence between blocks (sequence parallel)")
@@ -165,12 +169,14 @@ class Parts:
     meshes: Any
     on_gpu: bool
     param_dtype: Any
+    pipe: Any = None  # trainer.pipeline.Pipeline when pp > 1
 
 
 def build_parts(spec: Any, dims: Any, mb: int, device: Any, rank: int, world: int, run_uri: str) -> Parts:
     """Seed, meshes, the model (meta → parallelise → materialise → initialise, or left for the
     checkpoint to fill), optimizer, data loader, evaluator and checkpoint manager."""
     import torch
+    import torch.distributed as dist
 
     from trainer.checkpoint import CheckpointManager
     from trainer.distenv import collective_timeout
@@ -190,14 +196,21 @@ def build_parts(spec: Any, dims: Any, mb: int, device: Any, rank: int, world: in
     scaler = DynamicLossScaler(enabled=t.precision == "fp16")
 
     meshes = build_meshes(dims, device.type)
-    model = build_model(ms, device="meta")
-    parallelize(model, dims, meshes, device=device, activation_checkpointing=t.activation_checkpointing,
-                compile=t.compile and on_gpu, fp8=t.fp8, param_dtype=param_dtype,
-                reshard_after_forward=(spec.trainer.parallel.reshard_after_forward
-                                       if spec.trainer.parallel != "auto" else True))
+    raf = spec.trainer.parallel.reshard_after_forward if spec.trainer.parallel != "auto" else True
+    pipe = None
+    if dims.pp > 1:  # the stages of this rank (trainer/pipeline.py), named like the whole model
+        from trainer import pipeline
+
+        model, pipe = pipeline.build(spec, dims, meshes, pipeline.pp_config(spec, dims, mb), device=device,
+                                     rank=rank, param_dtype=param_dtype, reshard_after_forward=raf)
+    else:
+        model = build_model(ms, device="meta")
+        parallelize(model, dims, meshes, device=device, activation_checkpointing=t.activation_checkpointing,
+                    compile=t.compile and on_gpu, fp8=t.fp8, param_dtype=param_dtype, reshard_after_forward=raf)
     if t.compile and not on_gpu and rank == 0:
         log.info("trainer.compile ignored on CPU")
-    model.to_empty(device=device)
+    if pipe is None:
+        model.to_empty(device=device)
     if ms.tie_embeddings and model.head.weight is not model.tok_emb.weight:
         model.head.weight = model.tok_emb.weight
     model.train()
@@ -211,6 +224,10 @@ def build_parts(spec: Any, dims: Any, mb: int, device: Any, rank: int, world: in
     from trainer.evaluate import Evaluator
 
     vsrc = build_val_source(t.data, t.val_data, t.seq_len, ms.vocab_size, t.seed)
+    if pipe is not None and vsrc is not None:  # eval_every is refused under PP (pipeline.pp_config)
+        if rank == 0:
+            log.warning("validation shards found, but evaluation does not run under pp > 1 yet: no val_loss")
+        vsrc = None
     if t.eval_every and vsrc is None:
         raise ConfigError(f"trainer.eval_every: no validation shards (val_*.bin) beside {t.data}; set "
                           f"trainer.val_data")
@@ -220,6 +237,8 @@ def build_parts(spec: Any, dims: Any, mb: int, device: Any, rank: int, world: in
         evaluator.check()
     describe = {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate,
                 "dp_replicate": dims.dp_replicate}
+    if pipe is not None:
+        describe.update(pp=dims.pp, pp_schedule=pipe.cfg.schedule)
     async_mode = spec.checkpoint.async_mode
     if on_gpu and async_mode == "async":
         async_mode = staging_mode(params)
@@ -228,8 +247,13 @@ def build_parts(spec: Any, dims: Any, mb: int, device: Any, rank: int, world: in
                              pinned=on_gpu, timeout=collective_timeout(spec))
     if scaler.enabled:
         ckpt.register("loss_scaler", scaler)
+    if pipe is not None:  # this rank holds some of the model's names; the checkpoint holds them all
+        keys: list = [None] * dims.pp
+        dist.all_gather_object(keys, sorted(model.state_dict()), group=pipe.group)
+        ckpt.whole_model_keys = {k for ks in keys for k in ks}
+        ckpt.flat_optim = True  # param groups by name: each stage saves its own
     # Fresh start: each rank draws only its own shard of the initial weights (model.py). Resuming:
     # the checkpoint overwrites every parameter, so skip drawing them; buffers are still zeroed.
     model.init_weights(t.seed, params=not ckpt.committed_steps())
     return Parts(model=model, params=params, optimizer=optimizer, loader=loader, evaluator=evaluator,
-                 ckpt=ckpt, scaler=scaler, meshes=meshes, on_gpu=on_gpu, param_dtype=param_dtype)
+                 ckpt=ckpt, scaler=scaler, meshes=meshes, on_gpu=on_gpu, param_dtype=param_dtype, pipe=pipe)

@@ -185,9 +185,22 @@ class CheckpointManager(ResumeMixin):
         """Save ``obj.state_dict()`` under ``name``; a checkpoint without it loads without it."""
         self.extra[name] = obj
 
+    flat_optim = False
+    """Save the optimizer state flattened by parameter name (:meth:`state_dict`); a load follows the
+    checkpoint's own format either way."""
+
     # ---- state -------------------------------------------------------------------------------
-    def state_dict(self, model, optimizer, loader, train: dict[str, Any]) -> dict[str, Any]:
-        msd, osd = get_state_dict(model, optimizer)
+    def state_dict(self, model, optimizer, loader, train: dict[str, Any], flat_optim: bool | None = None) -> dict[str, Any]:
+        """``flat_optim`` (default: ``self.flat_optim``, set under pipeline parallelism): the optimizer's
+        param groups saved per parameter name (DCP's ``flatten_optimizer_state_dict``) — pipeline
+        stages hold different parameters, and one ``param_groups`` list per rank would be kept
+        from one rank only (DCP deduplicates the key), losing the others' hyperparameters."""
+        if flat_optim if flat_optim is not None else self.flat_optim:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+            msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        else:
+            msd, osd = get_state_dict(model, optimizer)
         sd: dict[str, Any] = {"model": msd, "optim": osd, "train": dict(train)}
         sd[f"data_dp{self.dp_rank}"] = loader.state_dict()
         sd[f"rng_rank{self.rank}"] = torch.get_rng_state()

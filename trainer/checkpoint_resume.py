@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
 from orchestrator.contract import runuri
 from trainer.errors import CheckpointUnavailable, ConfigError
@@ -210,7 +210,13 @@ class ResumeMixin:
                 exc = CorruptCheckpoint(msg) if all(k == "corrupt" for _, (k, _m) in bad) else OSError(msg)
         if exc is not None:
             raise exc
-        _check_model_shapes(uri, sd["model"], md)
+        _check_model_shapes(uri, sd["model"], md, getattr(self, "whole_model_keys", None))
+        # A pipeline-parallel run saves the optimizer's param groups by parameter name: load the
+        # format the checkpoint has (pp = 2 → pp = 1 and back).
+        saved_flat = (any(k.startswith("optim.param_groups.") for k in md)
+                      and not any(k.startswith("optim.param_groups.0.") for k in md))
+        if saved_flat != self.flat_optim:
+            sd = self.state_dict(model, optimizer, loader, {"step": 0, "tokens": 0, "loss": 0.0}, flat_optim=saved_flat)
         for k in [k for k in sd if k.startswith(("data_dp", "rng_rank")) or k in self.extra]:
             if not any(m == k or m.startswith(k + ".") for m in md):
                 sd.pop(k)  # per-rank key absent (resharded to more ranks)
@@ -221,7 +227,8 @@ class ResumeMixin:
                               f"{' …' if len(missing) > 3 else ''}); different optimizer or model? "
                               f"Use a fresh run URI")
         dcp.load(sd, storage_reader=_reader(uri), process_group=self.pg)
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        opts = StateDictOptions(flatten_optimizer_state_dict=True) if saved_flat else None
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=opts)
         key = f"data_dp{self.dp_rank}"
         if key in sd:
             loader.load_state_dict(sd[key])
@@ -234,7 +241,8 @@ class ResumeMixin:
         return sd["train"]
 
 
-def _check_model_shapes(uri: str, msd: dict[str, Any], md: dict[str, Any]) -> None:
+def _check_model_shapes(uri: str, msd: dict[str, Any], md: dict[str, Any], whole: set[str] | None = None) -> None:
+    """``whole``: the whole model's names when this rank holds a part of them (pipeline stages)."""
     problems = []
     for k, v in msd.items():
         if not isinstance(v, torch.Tensor):
@@ -244,7 +252,7 @@ def _check_model_shapes(uri: str, msd: dict[str, Any], md: dict[str, Any]) -> No
             problems.append(f"{k}: not in the checkpoint")
         elif hasattr(m, "size") and tuple(m.size) != tuple(v.shape):
             problems.append(f"{k}: checkpoint {tuple(m.size)} vs model {tuple(v.shape)}")
-    extra = [k[len("model."):] for k in md if k.startswith("model.") and k[len("model."):] not in msd]
+    extra = [k[len("model."):] for k in md if k.startswith("model.") and k[len("model."):] not in (whole or msd)]
     problems += [f"{k}: in the checkpoint, not in the model" for k in extra]
     if problems:
         raise ConfigError(f"checkpoint {uri} was saved from a different model shape: "

@@ -165,12 +165,18 @@ class GPT(nn.Module):
             _local(b).zero_()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok_emb(idx)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        """Token ids → logits. A pipeline stage (trainer/pipeline.py deletes what it does not
+        hold) without the embedding takes the previous stage's activations instead of ids, and
+        one without the head returns its activations."""
+        if self.tok_emb is None:
+            x = idx
+        else:
+            x = self.tok_emb(idx)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
         for block in self.layers.values():
             x = block(x)
-        return self.head(self.norm(x))
+        return x if self.head is None else self.head(self.norm(x))
 
     def aux_loss(self) -> torch.Tensor | None:
         losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]

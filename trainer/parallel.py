@@ -85,10 +85,14 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
             plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
+    # A pipeline stage (trainer/pipeline.py) may hold neither the embedding nor the head: its
+    # input and output are then the sequence-sharded residual stream between blocks.
     first = next(iter(model.layers.values()))
-    top: dict[str, Any] = {"norm": SequenceParallel()}
+    top: dict[str, Any] = {"norm": SequenceParallel()} if model.head is not None else {}
     untied = not model.spec.tie_embeddings
-    if untied and model.pos_emb is None:
+    if model.tok_emb is None:
+        pass
+    elif untied and model.pos_emb is None:
         top["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     else:
         if untied:
@@ -96,13 +100,16 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
         # The whole sequence (positions added) → this rank's slice: a local split, no comms.
         parallelize_module(first, tp_mesh, PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
-    if untied:
+    if model.head is None:
+        pass
+    elif untied:
         top["head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
         model.loss_parallel = True  # trainer.model.loss_context
     else:
         top["head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                          use_local_output=True)
-    parallelize_module(model, tp_mesh, top)
+    if top:
+        parallelize_module(model, tp_mesh, top)
 
 
 def apply_ep(model: nn.Module, expert_mesh: Any) -> None:
@@ -286,9 +293,10 @@ def finish_expert_grads(model: nn.Module, dims: ParallelDims, meshes: Meshes) ->
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float | None, pp_group: Any = None) -> torch.Tensor:
     """Global L2 norm of all gradients (DTensors on any meshes, or plain tensors); clip in place
-    when ``max_norm`` is set. Returns the norm before clipping."""
+    when ``max_norm`` is set. Returns the norm before clipping. ``pp_group``: this rank holds one
+    pipeline stage's parameters; the squared norms are summed over the stages first."""
     from torch.distributed.tensor import DTensor
 
     groups: dict[Any, list[torch.Tensor]] = {}
@@ -305,6 +313,9 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float | None) -> torch
             n = n.full_tensor()
         sq = n.float() ** 2
         total_sq = sq if total_sq is None else total_sq + sq
+    if pp_group is not None:
+        total_sq = total_sq if total_sq is not None else torch.zeros((), device=params[0].device)
+        dist.all_reduce(total_sq, group=pp_group)
     if total_sq is None:
         return torch.zeros(())
     total = total_sq.sqrt()

@@ -242,6 +242,9 @@ class Run:
         model, params, optimizer, loader, evaluator, ckpt = (parts.model, parts.params, parts.optimizer,
                                                              parts.loader, parts.evaluator, parts.ckpt)
         scaler, meshes, on_gpu, param_dtype = parts.scaler, parts.meshes, parts.on_gpu, parts.param_dtype
+        pipe = parts.pipe
+        pp_group = pipe.group if pipe is not None else None
+        stage_group = pipe.stage_group if pipe is not None else None
         total = t.total_steps
         metrics = self.metrics
 
@@ -300,7 +303,10 @@ class Run:
                 # Every micro-batch's backward reduce-scatters its gradients (FSDP2's default, as
                 # torchtitan): a rank holds sharded gradients between micro-batches, never the
                 # full-size accumulation that set_requires_gradient_sync(False) would keep.
-                for x, y in loader.batches(step):
+                if pipe is not None:  # the schedule runs every micro-batch's forward and backward
+                    with amp_context(device, param_dtype, meshes):
+                        loss_acc = pipe.step(loader.batches(step), scaler, t.z_loss, model)
+                for x, y in (loader.batches(step) if pipe is None else ()):
                     with loss_context(model):  # loss_parallel under TP with an untied head
                         with amp_context(device, param_dtype, meshes):
                             loss, ce = loss_fn(model(x), y, t.z_loss)
@@ -311,7 +317,7 @@ class Run:
                         grads_peak = max(grads_peak, held_grad_bytes(model))
                 finish_expert_grads(model, dims, meshes)
                 scaler.unscale_(params)
-                gnorm = clip_grad_norm_(params, t.grad_clip)
+                gnorm = clip_grad_norm_(params, t.grad_clip, pp_group)
                 if scaler.update(gnorm):
                     optimizer.step()
                 elif self.rank == 0:
@@ -328,7 +334,7 @@ class Run:
                 if moe_layers and any(m.balance == "bias" for m in moe_layers):
                     counts = torch.stack([m.tokens_per_expert for m in moe_layers])
                     if dist.is_initialized():
-                        dist.all_reduce(counts)
+                        dist.all_reduce(counts, group=stage_group)
                     for m, c in zip(moe_layers, counts):
                         m.update_bias(c)
                 for m in moe_layers:
@@ -348,7 +354,11 @@ class Run:
                                  gnorm.float().view(1).to(device)])
                 if dist.is_initialized():
                     dist.all_reduce(vec)
-                    vec[3:] /= self.world
+                    if pipe is None:
+                        vec[3:] /= self.world
+                    else:  # the loss is on the last stage's ranks only (0 elsewhere)
+                        vec[3] /= self.world // dims.pp
+                        vec[4] /= self.world
                 term, stop, auto_now, last_loss, gnorm_v = vec.tolist()
                 ckpt.poll()
                 metrics.step(step, last_loss, gnorm_v, lr, ckpt.last_committed)
@@ -409,7 +419,9 @@ class Run:
             if ckpt.last_committed != step:
                 save(step, sync=True)
                 ckpt.settle()
-            digest = param_digest(model) if want_digest(device.type) else None
+            digest = None
+            if want_digest(device.type):
+                digest = param_digest(model) if pipe is None else pipe.param_digest(model)
             all_bytes = [state_bytes]
             if dist.is_initialized():
                 all_bytes = [None] * self.world
@@ -422,6 +434,7 @@ class Run:
                         "val_loss": metrics.val_loss,
                         "world_size": self.world, "checkpoint_stall_s": ckpt.stall_s,
                         "parallel": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
+                                     "pp": dims.pp,
                                      "ep": dims.ep},
                         # per rank, after the last optimizer step (None if this attempt ran no step)
                         "state_bytes_per_rank": all_bytes,

@@ -99,7 +99,7 @@ class Parallel(_Model):
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3-like); false keeps them (ZeRO-2-like)."""
     pp: int = Field(1, gt=0)
-    """Not supported yet (a job with pp > 1 is refused before anything is rented). Pipeline-parallel degree: the layers split into pp stages across ranks (the outermost mesh
+    """Pipeline-parallel degree: the layers split into pp stages across ranks (the outermost mesh
     dimension, so with one stage per node only activations cross the nodes' link)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"] = "1f1b"
     """The pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, interleaved-1f1b, zbv
