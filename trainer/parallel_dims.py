@@ -7,7 +7,9 @@
   the all-gathers and reduce-scatters stay inside a shard group — one node — and one gradient
   all-reduce crosses them) or for DDP-style replication (``replicate``: HSDP with a shard group
   of one); for expert parallelism, a separate expert mesh ``(dp_rep, ep)`` with
-  ``dp_shard = dp_rep × ep``.
+  ``dp_shard = dp_rep × ep``. With pp or cp > 1 (and only then: the meshes above are unchanged),
+  the 5-D world mesh ``(pp, dp_replicate, dp_shard, cp, tp)`` with ``Meshes.pp``/``Meshes.cp``
+  and cp folded into the FSDP/gradient mesh (``dp_shard_cp``, torchtitan's), see :func:`_nd_meshes`.
 
 The parallelize steps that use these meshes (TP plan, EP, FSDP2) are in ``trainer/parallel.py``.
 """
@@ -117,20 +119,27 @@ class ParallelDims:
 
 @dataclass
 class Meshes:
+    """``dense``: every rank's mesh (2-D/3-D as before; the 5-D world mesh under pp/cp);
+    ``fsdp``: FSDP2's and the gradient reduction's mesh (cp folded in: ``dp_shard_cp``);
+    ``tp``, ``pp``, ``cp``: 1-D meshes, None when that degree is 1; ``expert``: EP's own mesh."""
+
     dense: Any
     fsdp: Any | None
     tp: Any | None
     expert: Any | None
+    pp: Any | None = None
+    cp: Any | None = None
 
 
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dims.pp > 1 or dims.cp > 1:
-        raise ConfigError(f"trainer.parallel: pp ({dims.pp}) and cp ({dims.cp}) > 1 are not supported by "
-                          "this trainer build")
     if dims.world_size == 1 and not dist.is_initialized():
         return Meshes(None, None, None, None)  # one process, no process group (python -m trainer)
+    if dims.cp > 1:
+        raise ConfigError(f"trainer.parallel: cp ({dims.cp}) > 1 is not supported by this trainer build")
+    if dims.pp > 1 or dims.cp > 1:
+        return _nd_meshes(dims, device_type)
     if dims.replicate or dims.dp_replicate > 1:
         # HSDP: ranks (r, s, t) with global rank (r·dp_shard + s)·tp + t — a shard group is
         # dp_shard × tp consecutive ranks, i.e. one node when dp_shard × tp = GPUs per node.
@@ -145,3 +154,35 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     if dims.ep > 1:
         expert = init_device_mesh(device_type, (dims.dp // dims.ep, dims.ep), mesh_dim_names=("dp_rep", "ep"))
     return Meshes(dense, fsdp, tp, expert)
+
+
+ND_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def _nd_meshes(dims: ParallelDims, device_type: str) -> Meshes:
+    """The 5-D world mesh ``(pp, dp_replicate, dp_shard, cp, tp)`` (tp innermost, pp outermost:
+    the rank order of :meth:`ParallelDims.dp_rank`/``cp_rank``/``pp_rank``) and its views, as
+    torchtitan's ``parallel_dims``: ``dp_shard`` and ``cp`` flattened into ``dp_shard_cp`` (the cp
+    ranks of one batch slice hold different tokens, so FSDP shards over them and the gradient
+    reduction sums over them too); the FSDP mesh is ``dp_shard_cp``, or ``(dp_replicate,
+    dp_shard_cp)`` for HSDP/replicate. Every view but the world's is inside one pipeline stage."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dims.ep > 1:
+        raise ConfigError(f"trainer.parallel: ep ({dims.ep}) > 1 with pp ({dims.pp}) or cp ({dims.cp}) > 1 is not "
+                          "supported by the bundled trainer")
+    rep, shard = (dims.dp, 1) if dims.replicate else (dims.dp_replicate, dims.dp_shard)
+    world = init_device_mesh(device_type, (dims.pp, rep, shard, dims.cp, dims.tp), mesh_dim_names=ND_DIMS)
+    hsdp = dims.replicate or dims.dp_replicate > 1
+    fsdp = None
+    if dims.dp * dims.cp == 1:
+        pass
+    elif dims.cp == 1:
+        fsdp = world["dp_replicate", "dp_shard"] if hsdp else world["dp_shard"]
+    elif hsdp:  # the flattened mesh kept as made (slicing a flattened dim from the root is deprecated)
+        fsdp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")._unflatten(
+            0, (rep, shard * dims.cp), ("dp_replicate", "dp_shard_cp"))
+    else:
+        fsdp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return Meshes(world, fsdp, world["tp"] if dims.tp > 1 else None, None,
+                  pp=world["pp"] if dims.pp > 1 else None, cp=world["cp"] if dims.cp > 1 else None)
