@@ -20,7 +20,20 @@ import pytest
 from orchestrator.dashboard import pages
 from orchestrator.dashboard.app import make_app
 from orchestrator.dashboard.source import EmbeddedSource
-from conftest import write_metrics
+
+def _sibling_conftest():
+    """This folder's conftest by path: ``from conftest import`` takes whichever conftest module
+    another folder's tests imported first (tests/providers/conftest.py in some selections)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("dashboard_conftest", Path(__file__).with_name("conftest.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+write_metrics = _sibling_conftest().write_metrics
 
 pytestmark = pytest.mark.e2e
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
