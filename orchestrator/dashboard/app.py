@@ -8,8 +8,11 @@ passes one that resolves the team from its API token, ``dtrun dashboard`` passes
 ``GET /``                      the runs page          ``GET /runs/{name}``            one run
 ``GET /api/runs``              the runs as JSON        ``GET /api/runs/{name}``        one run as JSON
 ``POST /api/runs/{name}/stop`` what ``dtrun down`` does   ``GET /static/{file}``      uPlot, dash.js
+``GET /team``                  the team's month        ``GET /api/team``               the same as JSON
 
-The token comes as ``?token=``, or ``Authorization: Bearer``. Pages poll the JSON every
+``dtrun dashboard``'s token comes as ``?token=``, or ``Authorization: Bearer``, and the pages'
+links carry it (``link_token``); ``dtrun server`` keeps its API token out of URLs (a cookie set by
+its sign-in form, or the header) and passes ``link_token`` returning "". Pages poll the JSON every
 ``pages.POLL_MS`` (short polling, not server-sent events: one stateless GET per page per poll
 works the same behind any proxy and across server replicas, holds no connection or thread per
 viewer, and reconnects for free; a 2 s delay is well inside what a training run needs).
@@ -50,7 +53,8 @@ def token_check(source: DataSource, token: str) -> Callable[[Request], DataSourc
     return source_for
 
 
-def make_router(source_for: Callable[[Request], DataSource], prefix: str = "") -> APIRouter:
+def make_router(source_for: Callable[[Request], DataSource], prefix: str = "",
+                link_token: Callable[[Request], str] = request_token) -> APIRouter:
     r = APIRouter(prefix=prefix)
 
     def base(request: Request) -> str:
@@ -65,12 +69,21 @@ def make_router(source_for: Callable[[Request], DataSource], prefix: str = "") -
     @r.get("/", response_class=HTMLResponse)
     def runs_html(request: Request) -> HTMLResponse:
         src = source_for(request)
-        return HTMLResponse(pages.runs_page(src.runs(), request_token(request), base(request)))
+        return HTMLResponse(pages.runs_page(src.runs(), link_token(request), base(request)))
 
     @r.get("/runs/{name}", response_class=HTMLResponse)
     def run_html(name: str, request: Request) -> HTMLResponse:
         src = source_for(request)
-        return HTMLResponse(pages.run_page(one(src, name), request_token(request), base(request)))
+        return HTMLResponse(pages.run_page(one(src, name), link_token(request), base(request)))
+
+    @r.get("/team", response_class=HTMLResponse)
+    def team_html(request: Request) -> HTMLResponse:
+        src = source_for(request)
+        return HTMLResponse(pages.team_page(src.team(), link_token(request), base(request)))
+
+    @r.get("/api/team")
+    def team_json(request: Request) -> JSONResponse:
+        return JSONResponse(source_for(request).team())
 
     @r.get("/api/runs")
     def runs_json(request: Request) -> JSONResponse:

@@ -6,20 +6,28 @@ return them as they are, the HTML pages render them, so the two never disagree):
 ``runs() -> list[dict]``          one row per run (see ``run_row``)
 ``run(name) -> dict | None``      one run in full (see ``EmbeddedSource.run``); None: not visible
 ``stop(name) -> str``             do what ``dtrun down NAME`` does; returns a one-line message
+``team() -> dict``                this month's spend against the team's ``monthly_usd``, per run and
+                                  per member (see ``team_view``)
 
 ``EmbeddedSource`` reads this machine's state store (``$DTRUN_HOME/state.db``) and each run's run
 URI (``progress.json``, ``metrics.jsonl``, through ``orchestrator.run.report.collect``, the same
-reader as ``dtrun report``). ``dtrun server`` provides its own source, scoped to one team.
+reader as ``dtrun report``). On this machine there is no team: the team page is this store's runs
+of the month, every one the local user's, with no monthly budget. ``dtrun server`` provides its own
+source, scoped to one team (``orchestrator.server.dashboard_source.ServerSource``).
 Nothing secret leaves a source: no spec text, no node handles beyond ids and regions.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import getpass
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from orchestrator.run.state import TERMINAL_STATES, StateStore
 
@@ -33,6 +41,8 @@ class DataSource(Protocol):
     def run(self, name: str) -> dict | None: ...
 
     def stop(self, name: str) -> str: ...
+
+    def team(self) -> dict: ...
 
 
 def _offer_text(offer: dict) -> str:
@@ -51,7 +61,8 @@ def _quote_per_hour(offer: dict) -> float | None:
     return float(p) * (offer.get("gpus_per_node") or 1) * (offer.get("nodes") or 1)
 
 
-def run_row(job: dict, attempts: list[dict], spent: float, last_event: dict | None) -> dict:
+def run_row(job: dict, attempts: list[dict], spent: float, last_event: dict | None,
+            member: str | None = None) -> dict:
     """The runs-table row of one job (the same dict for the HTML table and ``/api/runs``)."""
     last = attempts[-1] if attempts else None
     offer = (last or {}).get("offer") or {}
@@ -67,7 +78,7 @@ def run_row(job: dict, attempts: list[dict], spent: float, last_event: dict | No
         "attempts": len(attempts), "steps_lost": job.get("steps_lost") or 0,
         "last_event": (f"{last_event['type']}: {last_event['message']}" if last_event else ""),
         "last_event_time": last_event["time"] if last_event else None,
-        "updated": job.get("updated"), "created": job.get("created"),
+        "updated": job.get("updated"), "created": job.get("created"), "member": member,
     }
 
 
@@ -109,54 +120,110 @@ def _log_tail(path: str | None) -> str:
         return f.read().decode("utf-8", "replace")
 
 
-class EmbeddedSource:
-    """The dashboard's data over this machine's state store (``path``: the state.db file)."""
+def month_start(now: float | None = None) -> float:
+    """The start of this UTC month (the team month of ``orchestrator.server.budget``)."""
+    t = dt.datetime.fromtimestamp(now, dt.timezone.utc) if now else dt.datetime.now(dt.timezone.utc)
+    return dt.datetime(t.year, t.month, 1, tzinfo=dt.timezone.utc).timestamp()
 
-    def __init__(self, path: str | Path | None = None) -> None:
+
+def _local_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no name for this uid (a container): say so rather than fail the page
+        return f"uid {os.getuid()}"
+
+
+def team_view(team: str, monthly_usd: float | None, start: float, runs: list[dict]) -> dict:
+    """The team page's dict: ``runs`` (name, state, member, spent_usd, estimate_usd, active) summed
+    per member and in all, against ``monthly_usd``. Committed: what active runs are still expected to
+    spend (estimate less spent, never below 0), as the server's budget check counts it."""
+    spent = sum(r["spent_usd"] for r in runs)
+    committed = sum(max(0.0, r["estimate_usd"] - r["spent_usd"]) for r in runs if r["active"])
+    members: dict[str, dict] = {}
+    for r in runs:
+        m = members.setdefault(r["member"], {"member": r["member"], "runs": 0, "spent_usd": 0.0})
+        m["runs"] += 1
+        m["spent_usd"] = round(m["spent_usd"] + r["spent_usd"], 6)
+    left = None if monthly_usd is None else monthly_usd - spent - committed
+    return {"team": team, "month": dt.datetime.fromtimestamp(start, dt.timezone.utc).strftime("%Y-%m"),
+            "month_start": start, "monthly_usd": monthly_usd, "spent_usd": round(spent, 6),
+            "committed_usd": round(committed, 6), "left_usd": None if left is None else round(left, 6),
+            "budget_frac": (min(1.0, spent / monthly_usd) if monthly_usd else None),
+            "runs": sorted(runs, key=lambda r: -r["spent_usd"]),
+            "members": sorted(members.values(), key=lambda m: -m["spent_usd"])}
+
+
+def detail(store: StateStore, name: str) -> dict:
+    """One run in full from a state store and its run URI (the job must exist in ``store``)."""
+    from orchestrator.run.report import _spend_curve, collect
+
+    d = collect(store, name)
+    job, atts, spend = d["job"], d["attempts"], d["spend"]
+    events = d["events"]
+    row = run_row(job, atts, d["spent"], events[-1] if events else None, _local_user())
+    t0 = min([s["billed_from"] for s in spend] or [job["created"]])
+    t1 = max([s["billed_until"] for s in spend] or [t0])
+    hours, usd = _spend_curve(spend, t0, t1, n=100)
+    last = atts[-1] if atts else None
+    quote = _quote_per_hour((last or {}).get("offer") or {})
+    booked = spend[-1]["price_per_hour"] if spend else None
+    est = d["estimate"] or {}
+    train = [{"step": r.get("step"), "loss": r.get("loss"), "tokens_per_s": r.get("tokens_per_s"),
+              "mfu": r.get("mfu")} for r in _thin(d["train"])]
+    val = [{"step": r.get("step"), "val_loss": r.get("val_loss")} for r in _thin(d["val"])]
+    nodes = [{"attempt": n["attempt"], "provider": n["provider"], "name": n["name"],
+              "instance_id": n["instance_id"], "region": n.get("region"), "state": n["state"],
+              "created": n["created"], "terminated_at": n.get("terminated_at")}
+             for n in store.nodes(name)]
+    return {
+        **row, "val_loss": job.get("val_loss"), "last_committed_step": job.get("last_committed_step"),
+        "train": train, "val": val, "spend_curve": {"hours": hours, "usd": usd},
+        "timeline": timeline(atts), "nodes": nodes,
+        "events": [{"id": e["id"], "time": e["time"], "type": e["type"], "message": e["message"]}
+                   for e in events[-50:]],
+        "log_tail": _log_tail((last or {}).get("log_path")),
+        "quote_usd_per_hour": quote, "booked_usd_per_hour": booked,
+        "estimate_usd": est.get("cost_usd") or est.get("usd") or est.get("cost"),
+        "stoppable": job["state"] not in TERMINAL_STATES or bool(store.nodes(name, live_only=True)),
+    }
+
+
+class EmbeddedSource:
+    """The dashboard's data over this machine's state store (``path``: the state.db file; ``now``:
+    the clock the team page's month is taken from, the store's own where it is virtual)."""
+
+    def __init__(self, path: str | Path | None = None, now: Callable[[], float] = time.time) -> None:
         self.store = StateStore(path)
+        self.now = now
 
     def runs(self) -> list[dict]:
-        s = self.store
+        s, member = self.store, _local_user()
         rows = []
         for job in s.list_jobs():
             ev = s.events(job["name"], limit=1)
-            rows.append(run_row(job, s.attempts(job["name"]), s.spend_total(job["name"]), ev[-1] if ev else None))
+            rows.append(run_row(job, s.attempts(job["name"]), s.spend_total(job["name"]), ev[-1] if ev else None,
+                                member))
         return rows
 
     def run(self, name: str) -> dict | None:
-        from orchestrator.run.report import _spend_curve, collect
-
         if self.store.get_job(name) is None:
             return None
-        d = collect(self.store, name)
-        job, atts, spend = d["job"], d["attempts"], d["spend"]
-        events = d["events"]
-        row = run_row(job, atts, d["spent"], events[-1] if events else None)
-        t0 = min([s["billed_from"] for s in spend] or [job["created"]])
-        t1 = max([s["billed_until"] for s in spend] or [t0])
-        hours, usd = _spend_curve(spend, t0, t1, n=100)
-        last = atts[-1] if atts else None
-        quote = _quote_per_hour((last or {}).get("offer") or {})
-        booked = spend[-1]["price_per_hour"] if spend else None
-        est = d["estimate"] or {}
-        train = [{"step": r.get("step"), "loss": r.get("loss"), "tokens_per_s": r.get("tokens_per_s"),
-                  "mfu": r.get("mfu")} for r in _thin(d["train"])]
-        val = [{"step": r.get("step"), "val_loss": r.get("val_loss")} for r in _thin(d["val"])]
-        nodes = [{"attempt": n["attempt"], "provider": n["provider"], "name": n["name"],
-                  "instance_id": n["instance_id"], "region": n.get("region"), "state": n["state"],
-                  "created": n["created"], "terminated_at": n.get("terminated_at")}
-                 for n in self.store.nodes(name)]
-        return {
-            **row, "val_loss": job.get("val_loss"), "last_committed_step": job.get("last_committed_step"),
-            "train": train, "val": val, "spend_curve": {"hours": hours, "usd": usd},
-            "timeline": timeline(atts), "nodes": nodes,
-            "events": [{"id": e["id"], "time": e["time"], "type": e["type"], "message": e["message"]}
-                       for e in events[-50:]],
-            "log_tail": _log_tail((last or {}).get("log_path")),
-            "quote_usd_per_hour": quote, "booked_usd_per_hour": booked,
-            "estimate_usd": est.get("cost_usd") or est.get("usd") or est.get("cost"),
-            "stoppable": job["state"] not in TERMINAL_STATES or bool(self.store.nodes(name, live_only=True)),
-        }
+        return detail(self.store, name)
+
+    def team(self) -> dict:
+        """The month's runs of this store (the rule of the server's team month: created or updated
+        since the month began, or still active), each the local user's; no monthly budget here."""
+        start = month_start(self.now())
+        member = _local_user()
+        runs = []
+        for job in self.store.list_jobs():
+            if job["created"] < start and (job.get("updated") or 0) < start and job["state"] in TERMINAL_STATES:
+                continue
+            est = json.loads(job["estimate_json"]) if job.get("estimate_json") else {}
+            runs.append({"name": job["name"], "state": job["state"], "member": member,
+                         "spent_usd": round(self.store.spend_total(job["name"]), 6),
+                         "estimate_usd": float(est.get("cost_usd") or 0.0), "active": job["state"] not in TERMINAL_STATES})
+        return team_view("this machine", None, start, runs)
 
     def stop(self, name: str) -> str:
         """What ``dtrun down NAME`` does: ask the job's controller to checkpoint and stop; with no

@@ -198,4 +198,7 @@ def create_app(engine: Engine, *, get: Callable[[str], Any] | None = None,
         with session_scope(engine) as s:
             return budget.team_month(s, s.get(Team, who[1]))
 
+    from orchestrator.server.dashboard_source import mount_dashboard
+
+    mount_dashboard(app, engine)  # the dashboard pages under /dashboard, scoped to the caller's team
     return app

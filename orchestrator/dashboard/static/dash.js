@@ -1,10 +1,11 @@
 // dtrun dashboard: sort/filter the runs table, poll the JSON endpoint, redraw numbers and charts.
 (function () {
-  var D = window.DASH, q = "?token=" + encodeURIComponent(D.token);
+  var D = window.DASH, q = D.token ? "?token=" + encodeURIComponent(D.token) : "";  // dtrun server: a cookie
   function fmt(k, v) {  // mirrors pages.fmt
     if (v === null || v === undefined || v === "") return "\u2014";
     if (k === "spot") return v ? "spot" : "on-demand";
-    if (["spent_usd", "budget_usd", "estimate_usd", "quote_usd_per_hour", "booked_usd_per_hour"].indexOf(k) >= 0)
+    if (["spent_usd", "budget_usd", "estimate_usd", "quote_usd_per_hour", "booked_usd_per_hour",
+         "monthly_usd", "committed_usd", "left_usd"].indexOf(k) >= 0)
       return "$" + Number(v).toFixed(2);
     if (k === "tokens_per_s") return Math.round(Number(v)).toLocaleString("en-US");
     if (k === "loss" || k === "val_loss") return Number(v).toFixed(4);
@@ -21,6 +22,18 @@
     fetch(D.base + path + q).then(function (r) { return r.ok ? r.json() : null; }).then(function (j) {
       if (j) { cb(j); var u = document.getElementById("updated"); if (u) u.textContent = "updated " + new Date().toLocaleTimeString(); }
     }).catch(function () {});
+  }
+  if (D.page === "team") {
+    setInterval(function () {
+      get("api/team", function (t) {
+        fill(document.getElementById("summary"), t); fill(document.getElementById("month-bar"), t);
+        var bar = document.querySelector("#month-bar .bar i"), f = t.budget_frac;
+        if (bar) { bar.style.width = (f === null ? 0 : Math.round(f * 100)) + "%"; bar.className = f !== null && f >= 0.9 ? "hot" : ""; }
+        t.members.forEach(function (m) { var tr = document.querySelector('#members tr[data-member="' + CSS.escape(m.member) + '"]'); if (tr) fill(tr, m); });
+        t.runs.forEach(function (r) { var tr = document.querySelector('#teamruns tr[data-run="' + CSS.escape(r.name) + '"]'); if (tr) fill(tr, r); });
+      });
+    }, D.poll_ms);
+    return;
   }
   if (D.page === "runs") {
     var tb = document.querySelector("#runs tbody"), filt = document.getElementById("filter"), dir = {};
