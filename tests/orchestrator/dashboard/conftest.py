@@ -170,3 +170,11 @@ def server_world(tmp_path, db_url, monkeypatch):
     w = ServerWorld(tmp_path, db_url, monkeypatch)
     yield w
     w.close()
+
+
+@pytest.fixture
+def pg_server_world(tmp_path, pg_url, monkeypatch):
+    """``server_world`` on real PostgreSQL only (the browser test: once is enough)."""
+    w = ServerWorld(tmp_path, pg_url, monkeypatch)
+    yield w
+    w.close()

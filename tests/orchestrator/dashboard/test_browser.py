@@ -1,7 +1,9 @@
 """The dashboard in a real browser (Debian's chromium, driven by selenium + chromium-driver) over a
 job on the fake cloud: the pages load, the numbers shown equal the JSON's and the state's, a
 preemption appears on the timeline within one poll, Stop stops the run, no token → 401; and the
-comparison fails when a shown number is wrong. Screenshots go to the test's tmp dir (and, with
+comparison fails when a shown number is wrong (runs page and team page). Inside ``dtrun server``
+(real PostgreSQL, a real controller replica): sign in with a token, the runs and the team page
+show the API's numbers and follow them live, and a member cannot open another team's run. Screenshots go to the test's tmp dir (and, with
 ``DTRUN_DASHBOARD_SHOTS=DIR``, to DIR). Run by ``make e2e``."""
 
 from __future__ import annotations
@@ -50,13 +52,13 @@ ONE_POLL = pages.POLL_MS / 1000 + 1.5  # a poll, plus the fetch and a redraw
 class Served:
     """uvicorn on 127.0.0.1:<free port> in a thread; stopped (and joined) by ``close``."""
 
-    def __init__(self, source) -> None:
+    def __init__(self, source=None, app=None) -> None:
         import uvicorn
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(make_app(source, TOKEN), host="127.0.0.1", port=self.port,
+        self.server = uvicorn.Server(uvicorn.Config(app or make_app(source, TOKEN), host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -66,8 +68,12 @@ class Served:
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{self.port}/"
 
-    def json(self, path: str) -> dict:
-        with urllib.request.urlopen(f"{self.url}{path}?token={TOKEN}") as r:
+    def json(self, path: str, bearer: str | None = None) -> dict:
+        if bearer:  # dtrun server: the token in the header, never in the URL
+            req = urllib.request.Request(f"{self.url}{path}", headers={"Authorization": f"Bearer {bearer}"})
+        else:
+            req = urllib.request.Request(f"{self.url}{path}?token={TOKEN}")
+        with urllib.request.urlopen(req) as r:
             return json.loads(r.read())
 
     def close(self) -> None:
@@ -185,6 +191,10 @@ class Misreporting:
     def stop(self, name):
         return self.real.stop(name)
 
+    def team(self):
+        t = self.real.team()
+        return dict(t, members=[dict(m, spent_usd=m["spent_usd"] + 0.01) for m in t["members"]])
+
 
 def test_the_comparison_catches_a_wrong_number(finished, browser, shots):
     """The check the test above relies on fails when the page shows a number the state does not have."""
@@ -196,5 +206,75 @@ def test_the_comparison_catches_a_wrong_number(finished, browser, shots):
         with pytest.raises(AssertionError, match=r"\[spent_usd\] shows"):
             shown_equals_json(browser, truth, 'tr[data-run="fakejob"]')
         browser.save_screenshot(str(shots / "runs-misreported.png"))
+    finally:
+        srv.close()
+
+
+def test_the_team_page_comparison_catches_a_wrong_number(finished, browser, shots):
+    """The team page's check fails when a member's spend on the page is not the source's."""
+    real = EmbeddedSource(finished.db, now=finished.clock.now)
+    srv = Served(Misreporting(real))
+    try:
+        browser.get(f"{srv.url}team?token={TOKEN}")
+        truth = real.team()
+        assert shown_equals_json(browser, truth, "#summary") >= 3  # the summary is right ...
+        member = truth["members"][0]
+        with pytest.raises(AssertionError, match=r"\[spent_usd\] shows"):  # ... the member's spend is not
+            shown_equals_json(browser, member, f'#members tr[data-member="{member["member"]}"]')
+    finally:
+        srv.close()
+
+
+def sign_in(browser, url: str, token: str) -> None:
+    browser.get(f"{url}dashboard/login")
+    browser.find_element(By.ID, "token").send_keys(token)
+    browser.find_element(By.ID, "signin").click()
+    WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#runs tbody tr"))
+
+
+def test_server_dashboard_sign_in_team_page_and_isolation_in_a_browser(pg_server_world, browser, shots):
+    w = pg_server_world
+    w.tick(lambda: all(w.step(n) >= 100 for n in ("a-one", "a-two", "b-one")))
+    write_metrics(w.store.get_job("a-one")["run_uri"], 100)
+    srv = Served(app=w.app)
+    amy = w.tokens["amy"]
+    try:
+        browser.get(f"{srv.url}dashboard/")  # no cookie yet
+        assert "sign in at /dashboard/login" in browser.page_source
+        sign_in(browser, srv.url, amy)
+        assert amy not in browser.current_url and amy not in browser.page_source
+        shown = {tr.get_attribute("data-run") for tr in browser.find_elements(By.CSS_SELECTOR, "#runs tbody tr")}
+        assert shown == {"a-one", "a-two"}
+        rows = {r["name"]: r for r in srv.json("dashboard/api/runs", bearer=amy)["runs"]}
+        api = {j["name"]: j for j in srv.json("v1/jobs", bearer=amy)["jobs"]}
+        assert rows["a-one"]["spent_usd"] == pytest.approx(api["a-one"]["spend_usd"], abs=1e-4)
+        assert shown_equals_json(browser, rows["a-one"], 'tr[data-run="a-one"]') >= 8
+
+        browser.find_element(By.ID, "team-link").click()
+        WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#summary"))
+        t = srv.json("dashboard/api/team", bearer=amy)
+        assert t["spent_usd"] == pytest.approx(srv.json("v1/cost/team", bearer=amy)["spent_usd"])
+        assert shown_equals_json(browser, t, "#summary") >= 5
+        for m in t["members"]:
+            assert shown_equals_json(browser, m, f'#members tr[data-member="{m["member"]}"]') == 2
+        for r in t["runs"]:
+            assert shown_equals_json(browser, r, f'#teamruns tr[data-run="{r["name"]}"]') >= 3
+        w.tick(lambda: w.step("a-one") >= 300)  # the month moves on: the page follows within one poll
+        new = srv.json("dashboard/api/team", bearer=amy)
+        assert new["spent_usd"] > t["spent_usd"]
+        want = pages.fmt("spent_usd", new["spent_usd"])
+        WebDriverWait(browser, ONE_POLL + 1).until(
+            lambda d: d.find_element(By.CSS_SELECTOR, '#summary [data-k="spent_usd"]').text == want)
+        browser.save_screenshot(str(shots / "team.png"))
+
+        browser.get(f"{srv.url}dashboard/runs/b-one")  # beta's run: the 404 of no run at all
+        assert "no run named 'b-one'" in browser.page_source and "b-one" not in browser.title
+        with pytest.raises(urllib.error.HTTPError) as e:
+            srv.json("dashboard/api/runs/b-one", bearer=amy)
+        assert e.value.code == 404
+        browser.get(f"{srv.url}dashboard/runs/a-one")
+        WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#loss .uplot"))
+        assert shown_equals_json(browser, srv.json("dashboard/api/runs/a-one", bearer=amy), "#facts") >= 12
+        browser.save_screenshot(str(shots / "server-run.png"))
     finally:
         srv.close()
