@@ -35,6 +35,7 @@ from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
+from sqlalchemy.orm import defer
 
 from orchestrator.dashboard import pages
 from orchestrator.dashboard.app import make_router
@@ -75,8 +76,7 @@ class ServerSource:
         self.engine, self.team_id, self.store, self.user_id = engine, team_id, store, user_id
 
     # ---- one row ------------------------------------------------------------------------------
-    def _row(self, j: Job, ev: Event | None, member: str) -> dict:
-        ctl = self.store.get_job(j.name)
+    def _row(self, j: Job, ev: Event | None, member: str, ctl: dict | None) -> dict:
         atts = self.store.attempts(j.name) if ctl else []
         last = {"type": ev.kind, "message": ev.text, "time": ev.time} if ev is not None else None
         if ctl:
@@ -102,12 +102,14 @@ class ServerSource:
     # ---- DataSource ---------------------------------------------------------------------------
     def runs(self) -> list[dict]:
         with session_scope(self.engine) as s:
-            jobs = s.scalars(select(Job).where(Job.team_id == self.team_id).order_by(Job.id)).all()
+            jobs = s.scalars(select(Job).options(defer(Job.plan))  # the plan record: large, not shown here
+                             .where(Job.team_id == self.team_id).order_by(Job.id)).all()
             newest = (select(func.max(Event.id)).join(Job, Job.id == Event.job_id)
                       .where(Job.team_id == self.team_id).group_by(Event.job_id))
             last = {e.job_id: e for e in s.scalars(select(Event).where(Event.id.in_(newest)))}
             members = self._members(s)
-        return [self._row(j, last.get(j.id), members.get(j.user_id, "?")) for j in jobs]
+        ctl = {c["name"]: c for c in self.store.list_jobs()}  # one read, not one per job
+        return [self._row(j, last.get(j.id), members.get(j.user_id, "?"), ctl.get(j.name)) for j in jobs]
 
     def run(self, name: str) -> dict | None:
         with session_scope(self.engine) as s:
@@ -117,7 +119,7 @@ class ServerSource:
             evs = list(reversed(s.scalars(select(Event).where(Event.job_id == j.id)
                                           .order_by(Event.id.desc()).limit(50)).all()))
             member = self._members(s).get(j.user_id, "?")
-        row = self._row(j, evs[-1] if evs else None, member)
+        row = self._row(j, evs[-1] if evs else None, member, self.store.get_job(name))
         server_events = [{"id": f"s{e.id}", "time": e.time, "type": e.kind, "message": e.text} for e in evs]
         if self.store.get_job(name) is not None:
             d = detail(self.store, name)
