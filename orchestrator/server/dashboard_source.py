@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from typing import Any, Callable
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
@@ -162,11 +162,18 @@ class ServerSource:
         return out
 
 
-def _token(request: Request) -> str | None:
+def _bearer(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
-    if header[:7].lower() == "bearer ":
-        return header[7:].strip()
-    return request.cookies.get(COOKIE)
+    return header[7:].strip() if header[:7].lower() == "bearer " else None
+
+
+def _token(request: Request) -> str | None:
+    return _bearer(request) or request.cookies.get(COOKIE)
+
+
+def _same_origin(request: Request) -> bool:
+    origin = request.headers.get("origin")
+    return not origin or urlsplit(origin).netloc == request.headers.get("host", "")
 
 
 def _client(request: Request) -> str:
@@ -193,6 +200,10 @@ def source_for_factory(engine: Engine, get_store: Callable[[], StateStore], limi
 
     def source_for(request: Request) -> ServerSource:
         user_id, team_id = _user(engine, limiter, request, _token(request))
+        if request.method not in ("GET", "HEAD") and not _bearer(request) and not _same_origin(request):
+            # a cookie-authenticated change from another site's page (SameSite=Strict already keeps
+            # the cookie off such requests in current browsers; this is the second lock)
+            raise HTTPException(403, "a request from another site's page is refused")
         return ServerSource(engine, team_id, get_store(), user_id)
     return source_for
 

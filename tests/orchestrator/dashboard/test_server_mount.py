@@ -50,6 +50,11 @@ def test_sign_in_sets_an_httponly_strict_cookie_and_a_bad_token_is_refused(serve
     page = c.get("/dashboard/")  # the cookie now
     assert page.status_code == 200 and "a-one" in page.text and "b-one" not in page.text
     assert w.tokens["amy"] not in page.text  # links carry no token
+    r = c.post("/dashboard/api/runs/a-two/stop", headers={"Origin": "https://evil.example"})
+    assert r.status_code == 403 and "another site" in r.json()["error"]  # the cookie alone is not enough
+    assert c.get("/v1/jobs/a-two", headers=w.h("amy")).json()["requested_action"] is None
+    r = c.post("/dashboard/api/runs/a-two/stop", headers={"Origin": "http://testserver"})
+    assert r.status_code == 200 and c.get("/v1/jobs/a-two", headers=w.h("amy")).json()["requested_action"] == "stop"
     r = c.post("/dashboard/logout", follow_redirects=False)
     assert r.status_code == 303
     c.cookies.clear()
