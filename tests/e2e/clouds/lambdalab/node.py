@@ -46,15 +46,15 @@ def node_ip(n: int) -> str:
     return f"10.77.0.{n}"
 
 
-def bridge_up() -> None:
-    if sh(f"ip link show {BRIDGE}", check=False).returncode != 0:
-        sh(f"ip link add {BRIDGE} type bridge")
-        sh(f"ip addr add {HOST_IP}/{PREFIX} dev {BRIDGE}")
-    sh(f"ip link set {BRIDGE} up")
+def bridge_up(bridge: str = BRIDGE, host_ip: str = HOST_IP) -> None:
+    if sh(f"ip link show {bridge}", check=False).returncode != 0:
+        sh(f"ip link add {bridge} type bridge")
+        sh(f"ip addr add {host_ip}/{PREFIX} dev {bridge}")
+    sh(f"ip link set {bridge} up")
 
 
-def bridge_down() -> None:
-    sh(f"ip link del {BRIDGE}", check=False)
+def bridge_down(bridge: str = BRIDGE) -> None:
+    sh(f"ip link del {bridge}", check=False)
 
 
 INIT = r"""
@@ -143,9 +143,11 @@ def pids_in(ns: str) -> list[int]:
     return [int(x) for x in out if x.isdigit()]
 
 
-def down(n: int, launcher_pid: int | None = None) -> None:
-    """Kill everything in node ``n`` (its PID namespace dies with its PID 1), remove its netns."""
-    ns = f"{NETNS_PREFIX}{n}"
+def down(n: int, launcher_pid: int | None = None, netns_prefix: str = NETNS_PREFIX,
+         veth_prefix: str = VETH_PREFIX) -> None:
+    """Kill everything in node ``n`` (its PID namespace dies with its PID 1), remove its netns.
+    (The prefixes: another lab's nodes, e.g. the RunPod lab's.)"""
+    ns = f"{netns_prefix}{n}"
     for _ in range(50):
         pids = pids_in(ns)
         if launcher_pid:
@@ -165,7 +167,7 @@ def down(n: int, launcher_pid: int | None = None) -> None:
         if not pids_in(ns) and not _alive(launcher_pid):
             break
         time.sleep(0.1)
-    sh(f"ip link del {VETH_PREFIX}{n}", check=False)
+    sh(f"ip link del {veth_prefix}{n}", check=False)
     sh(f"ip netns del {ns}", check=False)
 
 
@@ -182,9 +184,9 @@ def _alive(pid: int | None) -> bool:
         return False
 
 
-def all_netns() -> list[str]:
+def all_netns(netns_prefix: str = NETNS_PREFIX) -> list[str]:
     return [line.split()[0] for line in sh("ip netns list", check=False).stdout.splitlines()
-            if line.startswith(NETNS_PREFIX)]
+            if line.startswith(netns_prefix)]
 
 
 def ssh_banner(ip: str, timeout: float = 1.0) -> bool:

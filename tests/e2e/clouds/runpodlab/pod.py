@@ -1,0 +1,208 @@
+"""One RunPod lab pod: a "container" made of namespaces, its SSH on a mapped public port.
+
+What a pod is here, against what RunPod hands out:
+
+* **no container runtime.** The image is this host's root filesystem under a per-pod writable
+  overlay (upper on a tmpfs that dies with the pod), entered with ``chroot``: whatever
+  ``imageName`` says, every pod gets the same "image". Its contents: Debian 12 with
+  openssh-server, rsync, curl, patch and sudo already installed (so SkyPilot's init's
+  ``apt install`` writes nothing; ``/usr`` is a read-only overlay of the runtime cache's torch
+  layer over the host's), and ``/root`` a clean per-pod layer holding ``.bashrc``/``.profile``
+  from ``/etc/skel``, ``~/.local/bin/uv`` and a prebuilt ``~/skypilot-runtime`` (SkyPilot 0.14.1
+  would download CPython when it is missing: the nodes have no internet). ``/home``, the
+  repository and the lab's own directory (its HOME and keys) are hidden (empty tmpfs).
+* **the main process is ``dockerArgs``** (``shlex.split``, cwd ``/``, under tini as PID 1 of
+  the pod's PID namespace), with the environment RunPod gives a pod (``RUNPOD_POD_ID``,
+  ``RUNPOD_PUBLIC_IP``, ``RUNPOD_TCP_PORT_22``, ``PUBLIC_KEY`` = the account's ``pubKey``, the
+  mutation's ``env``), never the host's. SkyPilot's init script starts sshd itself
+  (``service ssh restart``); nothing else starts it.
+* **network:** netns ``dtrp-<n>`` with ``eth0`` = ``10.78.0.<n>`` on the bridge ``dtrp0``
+  (host end ``10.78.0.1``; the host does not forward, so nothing leaves the machine). The
+  "public" SSH endpoint is ``10.78.0.1:<40000+n>``, a TCP forwarder in the API process to
+  ``10.78.0.<n>:22`` — not port 22, as on RunPod. ``/etc/resolv.conf`` is ``nameserver
+  127.0.0.1``, no package lists and ``Acquire::Retries 0`` (``apt update`` fails at once
+  instead of retrying; ``apt install`` of what is installed is then a no-op).
+
+Not emulated: GPUs (labels only), RunPod's HTTP proxy (``*.proxy.runpod.net``), network volumes,
+container disk size limits, real image pulls and boot times.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import threading
+from pathlib import Path
+
+from tests.e2e.clouds.lambdalab import node as lnode
+from tests.e2e.clouds.lambdalab import runtime
+
+BRIDGE = "dtrp0"
+HOST_IP = "10.78.0.1"
+NETNS_PREFIX = "dtrp-"
+VETH_PREFIX = "dtrpv"
+PORT_BASE = 40000
+REPO = Path(__file__).resolve().parents[4]
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def pod_ip(n: int) -> str:
+    return f"10.78.0.{n}"
+
+
+def ssh_port(n: int) -> int:
+    return PORT_BASE + n
+
+
+def bridge_up() -> None:
+    lnode.bridge_up(BRIDGE, HOST_IP)
+
+
+def bridge_down() -> None:
+    lnode.bridge_down(BRIDGE)
+
+
+def all_netns() -> list[str]:
+    return lnode.all_netns(NETNS_PREFIX)
+
+
+INIT = r"""
+set -eu
+hostname "$POD_HOST"
+mount --make-rprivate /
+B="$POD_DIR"
+mkdir -p "$B"
+mount -t tmpfs -o size=8g,mode=755 dtrp-upper "$B"
+mkdir -p "$B/u" "$B/w" "$B/ru" "$B/rw" "$B/new"
+R="$B/new"
+mount -t overlay overlay -o "lowerdir=/,upperdir=$B/u,workdir=$B/w" "$R"
+mount -t overlay overlay -o "ro,lowerdir=$CACHE/usr:/usr" "$R/usr"
+mount -t overlay overlay -o "lowerdir=$ROOT_LAYER,upperdir=$B/ru,workdir=$B/rw" "$R/root"
+chmod 700 "$R/root"
+mount -t proc proc "$R/proc"
+mount --rbind /sys "$R/sys"
+mount --rbind /dev "$R/dev"
+mount -t tmpfs -o mode=1777,size=2g tmpfs "$R/dev/shm"
+mount -t tmpfs -o mode=1777 tmpfs "$R/tmp"
+mount -t tmpfs -o mode=755 tmpfs "$R/run"
+mount -t tmpfs -o mode=755 tmpfs "$R/home"
+for d in $HIDE; do [ -d "$R$d" ] && mount -t tmpfs -o mode=755,size=1m tmpfs "$R$d"; done
+E="$R/etc"
+echo "$POD_HOST" > "$E/hostname"
+printf '127.0.0.1 localhost\n%s %s\n' "$POD_IP" "$POD_HOST" > "$E/hosts"
+rm -f "$E/resolv.conf"; echo 'nameserver 127.0.0.1' > "$E/resolv.conf"
+printf '[global]\nno-index = true\nfind-links =\n    %s/wheelhouse\n    %s/runpod/wheelhouse\n' "$CACHE" "$CACHE" > "$E/pip.conf"
+rm -rf "$E/xdg/pip"
+mkdir -p "$E/uv"
+printf 'no-index = true\nfind-links = ["%s/wheelhouse", "%s/runpod/wheelhouse"]\npython-downloads = "never"\n' "$CACHE" "$CACHE" > "$E/uv/uv.toml"
+mkdir -p "$E/ssh/sshd_config.d"
+printf 'UseDNS no\nUsePAM no\nPidFile /run/sshd.pid\nPasswordAuthentication no\n' > "$E/ssh/sshd_config.d/dtlab.conf"
+rm -f "$E/ssh/ssh_host_"*   # the image's host keys: made by the pod's own `ssh-keygen -A`
+rm -rf "$R/var/lib/apt/lists/"*   # the image ships no package lists (its packages are current)
+printf 'Acquire::Retries "0";\n' > "$E/apt/apt.conf.d/99dtrp-offline"
+exec chroot "$R" "$@"
+"""
+
+
+def root_layer(lab_dir: Path) -> Path:
+    """The /root every pod starts from (the "image's" root home)."""
+    layer = lab_dir / "root-layer"
+    if (layer / ".profile").exists():
+        return layer
+    (layer / ".local" / "bin").mkdir(parents=True, exist_ok=True)
+    skel = Path("/etc/skel/.bashrc").read_text() if Path("/etc/skel/.bashrc").exists() else ""
+    (layer / ".bashrc").write_text('export PATH="$HOME/.local/bin:$PATH"\n' + skel)
+    (layer / ".profile").write_text('[ -n "$BASH_VERSION" ] && [ -f "$HOME/.bashrc" ] && . "$HOME/.bashrc"\n')
+    os.symlink(runtime.CACHE / "uv", layer / ".local" / "bin" / "uv")
+    # the cache's venv, reached by a symlink: writes land in the pod's /var upper, not the cache
+    os.symlink(runtime.CACHE / "runtime" / "skypilot-runtime", layer / "skypilot-runtime")
+    os.chmod(layer, 0o700)
+    return layer
+
+
+def up(lab_dir: Path, n: int, pod_id: str, docker_args: str, env: dict[str, str], log_path: Path) -> int:
+    """Create pod ``n`` and start its main process (``dockerArgs``); returns the launcher's PID."""
+    ns, veth, ip = f"{NETNS_PREFIX}{n}", f"{VETH_PREFIX}{n}", pod_ip(n)
+    lnode.sh(f"ip netns add {ns}")
+    lnode.sh(f"ip link add {veth} type veth peer name eth0 netns {ns}")
+    lnode.sh(f"ip link set {veth} master {BRIDGE} up")
+    lnode.sh(f"ip -n {ns} link set lo up && ip -n {ns} addr add {ip}/24 dev eth0 && "
+             f"ip -n {ns} link set eth0 up && ip -n {ns} route add default via {HOST_IP}")
+    pod_dir = lab_dir / "pods" / str(n)
+    pod_dir.mkdir(parents=True, exist_ok=True)
+    hide = " ".join(shlex.quote(str(p)) for p in {REPO.parent if REPO.parent != Path("/") else REPO, lab_dir.parent if lab_dir.parent != Path("/") else lab_dir})
+    init_env = {"PATH": PATH, "POD_HOST": pod_id, "POD_IP": ip, "POD_DIR": str(pod_dir),
+                "ROOT_LAYER": str(root_layer(lab_dir)), "CACHE": str(runtime.CACHE), "HIDE": hide}
+    pod_env = {"HOME": "/root", "PATH": PATH, "LANG": "C.UTF-8", "HOSTNAME": pod_id, **env}
+    argv = ["/usr/bin/tini", "-s", "--", "/usr/bin/env", "-i",
+            *[f"{k}={v}" for k, v in pod_env.items()], *shlex.split(docker_args or "sleep infinity")]
+    with open(log_path, "ab") as log:
+        p = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "--pid", "--uts", "--fork",
+                              "--mount-proc", "--propagation", "private", "bash", "-c", INIT, "init", *argv],
+                             env=init_env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True, cwd="/")
+    return p.pid
+
+
+def down(lab_dir: Path, n: int, launcher_pid: int | None = None) -> None:
+    """Kill every process of pod ``n``, remove its netns and veth (its tmpfs dies with its mount ns)."""
+    lnode.down(n, launcher_pid, NETNS_PREFIX, VETH_PREFIX)
+    shutil.rmtree(lab_dir / "pods" / str(n), ignore_errors=True)
+
+
+class Forwarder:
+    """``HOST_IP:port`` → ``target:22``: RunPod's public port mapping for a pod's SSH."""
+
+    def __init__(self, port: int, target: str):
+        self.target = target
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((HOST_IP, port))
+        self.sock.listen(64)
+        self.conns: list[socket.socket] = []
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                u = socket.create_connection((self.target, 22), timeout=5)
+                u.settimeout(None)
+            except OSError:
+                c.close()  # the pod's sshd is not up (yet): connection closed, as RunPod's proxy does
+                continue
+            self.conns += [c, u]
+            threading.Thread(target=self._pump, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._pump, args=(u, c), daemon=True).start()
+
+    @staticmethod
+    def _pump(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while True:
+                data = a.recv(65536)
+                if not data:
+                    break
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.closed = True
+        for s in [self.sock, *self.conns]:
+            try:
+                s.close()
+            except OSError:
+                pass

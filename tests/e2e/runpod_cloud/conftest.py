@@ -1,0 +1,109 @@
+"""The RunPod lab for the e2e suite: started once per session, stopped at the end (also after a
+failure), and the suite fails if anything of it is left (namespace, veth, bridge, process, mount).
+
+Where the lab cannot run (not root, no namespaces, no sshd), every test here FAILS with one line
+saying why: never a silent skip."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.clouds.runpodlab import lab as lablib
+from tests.e2e.clouds.runpodlab import pod as podlib
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="session")
+def rp_lab():
+    why = lablib.preflight()
+    if why:
+        pytest.fail(f"RunPod lab cannot run here: {why}", pytrace=False)
+    lablib.stop(log=lambda m: None)  # whatever an earlier crashed run left
+    env = lablib.start(log=print)
+    try:
+        yield {**os.environ, **env, "PYTHONPATH": str(REPO)}
+    finally:
+        left = lablib.stop(log=print)
+        assert not any(left.values()), f"the RunPod lab left: {left}"
+
+
+@pytest.fixture(scope="session")
+def rp_s3(rp_lab):
+    """moto S3 bound to the RunPod bridge's host IP (the pods reach it there; nothing else does)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address=podlib.HOST_IP, port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    bucket = f"rplab-{uuid.uuid4().hex[:8]}"
+    s3.create_bucket(Bucket=bucket)
+
+    def get(key: str) -> bytes:
+        return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def exists(key: str) -> bool:
+        return s3.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount", 0) > 0
+
+    try:
+        yield {"env": env, "bucket": bucket, "url": url, "get": get, "exists": exists}
+    finally:
+        server.stop()
+
+
+JOB = """\
+name: {name}
+resources:
+  providers: [runpod]
+  gpu: A100-80GB
+  gpus_per_node: 1
+  nodes: 1
+  spot: true
+trainer:
+  model: tiny
+  device: cpu  # the lab's pods have no GPU: a CPU rank on the A100-labelled pod, said explicitly
+  parallel: {{dp_shard: 1, tp: 1}}
+  steps: {steps}
+  batch_size: 8
+  seq_len: 64
+  data: synthetic
+  precision: fp32
+  lr: 0.003
+  warmup_steps: 5
+  log_every: 5
+  heartbeat_seconds: 1
+checkpoint:
+  uri: {uri}
+  every_steps: {every}
+  keep: 2
+budget:
+  max_usd: 30.0
+  max_hours: 1
+teardown:
+  idle_minutes: 10
+recovery:
+  poll_seconds: 5
+  heartbeat_timeout_seconds: {heartbeat}
+  backoff_seconds: 1
+"""
+
+
+def job_yaml(tmp_path, name: str, uri: str, steps: int, every: int, heartbeat: int = 60,
+             provider: str = "runpod") -> Path:
+    p = tmp_path / f"{name}.yaml"
+    text = JOB.format(name=name, steps=steps, every=every, uri=uri, heartbeat=heartbeat)
+    if provider != "runpod":
+        text = (text.replace("providers: [runpod]", f"providers: [{provider}]").replace("gpu: A100-80GB", "gpu: cpu")
+                .replace("  spot: true\n", ""))
+    p.write_text(text)
+    return p
