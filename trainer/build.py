@@ -70,6 +70,8 @@ def check_job(spec: Any, world: int, rank: int) -> tuple[Any, int]:
         from trainer.pipeline import pp_config
 
         pp_config(spec, dims, mb)  # the schedule's refusals, before any process group
+    if dims.cp > 1:
+        _check_cp(dims, t.seq_len)
     if dims.tp > 1 and t.seq_len % dims.tp:
         raise ConfigError(f"trainer.seq_len ({t.seq_len}) must be divisible by tp ({dims.tp}): tensor "
                           "parallelism shards the sequence between blocks (sequence parallel)")
@@ -97,6 +99,23 @@ def check_job(spec: Any, world: int, rank: int) -> tuple[Any, int]:
         raise ConfigError("trainer.eval_every needs validation shards: set trainer.val_data or train on "
                           "`dtrun data prepare` output (its val_*.bin shards are used)")
     return dims, mb
+
+
+def _check_cp(dims: Any, seq_len: int) -> None:
+    """Context parallelism's refusals (trainer/context.py), before any process group."""
+    cp = dims.cp
+    if dims.pp > 1:
+        raise ConfigError(f"trainer.parallel: cp ({cp}) > 1 with pp ({dims.pp}) > 1 is not supported by the "
+                          "bundled trainer; use one of them")
+    if dims.ep > 1:
+        raise ConfigError(f"trainer.parallel: cp ({cp}) > 1 with ep ({dims.ep}) > 1 is not supported by the "
+                          "bundled trainer; use one of them")
+    if seq_len % (2 * cp):
+        raise ConfigError(f"trainer.seq_len ({seq_len}) must be divisible by 2 × trainer.parallel.cp = {2 * cp}: "
+                          "context parallelism cuts the sequence into 2·cp head-tail balanced chunks")
+    if dims.tp > 1 and (seq_len // cp) % dims.tp:
+        raise ConfigError(f"trainer.seq_len ({seq_len}) / trainer.parallel.cp ({cp}) = {seq_len // cp} must be "
+                          f"divisible by tp ({dims.tp}): tensor parallelism shards each rank's sequence slice")
 
 
 def staging_mode(params: list) -> str:
@@ -239,6 +258,8 @@ def build_parts(spec: Any, dims: Any, mb: int, device: Any, rank: int, world: in
                 "dp_replicate": dims.dp_replicate}
     if pipe is not None:
         describe.update(pp=dims.pp, pp_schedule=pipe.cfg.schedule)
+    if dims.cp > 1:
+        describe.update(cp=dims.cp)
     async_mode = spec.checkpoint.async_mode
     if on_gpu and async_mode == "async":
         async_mode = staging_mode(params)

@@ -76,6 +76,9 @@ class Evaluator:
                 arr = np.stack([self._window(first + j) for j in range(self.mb)])
                 t = torch.from_numpy(arr).to(device)
                 x, y = t[:, :-1], t[:, 1:]
+                cp = getattr(model, "cp", None)
+                if cp is not None:  # context parallelism: this rank's slice of the sequence
+                    x, y = cp.shard(x), cp.shard(y)
                 # Under TP with an untied head the logits are vocab-sharded: loss parallel, as in
                 # training (gathering them would hold mb·T·V logits per rank, tp× training's).
                 with loss_context(model):

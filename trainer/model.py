@@ -58,11 +58,18 @@ def _rope_table(T: int, half: int, base: float, device: torch.device, dtype: tor
     return out
 
 
-def _rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary positions on ``x`` of shape (B, T, H, D) (pairs (i, i + D/2), as in GPT-NeoX/Llama)."""
+def _rope(x: torch.Tensor, base: float = 10000.0, cp: Any = None) -> torch.Tensor:
+    """Rotary positions on ``x`` of shape (B, T, H, D) (pairs (i, i + D/2), as in GPT-NeoX/Llama).
+    Under context parallelism (``cp``: trainer/context.py) ``x`` holds this rank's tokens and
+    each is rotated by its global position."""
     T, D = x.shape[1], x.shape[-1]
     half = D // 2
-    cos, sin = _rope_table(T, half, base, x.device, x.dtype)
+    if cp is None:
+        cos, sin = _rope_table(T, half, base, x.device, x.dtype)
+    else:
+        cos, sin = _rope_table(T * cp.size, half, base, x.device, x.dtype)
+        pos = cp.positions(T, x.device)
+        cos, sin = cos[:, pos], sin[:, pos]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -79,6 +86,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(spec.n_heads * hd, d, bias=spec.bias)
         self.q_norm = nn.RMSNorm(hd, eps=1e-6) if spec.qk_norm else None
         self.k_norm = nn.RMSNorm(hd, eps=1e-6) if spec.qk_norm else None
+        self.cp: Any = None  # context parallelism (trainer/context.py apply_cp): this rank's sequence shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -89,10 +97,13 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
-            q, k = _rope(q), _rope(k)
+            q, k = _rope(q, cp=self.cp), _rope(k, cp=self.cp)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        # Grouped-query attention: SDPA shares each kv head across its query heads (no copies).
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if self.cp is not None:  # local queries against the whole sequence's keys and values
+            y = self.cp.attention(q, k, v)
+        else:
+            # Grouped-query attention: SDPA shares each kv head across its query heads (no copies).
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -135,6 +146,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
         if spec.tie_embeddings:
             self.head.weight = self.tok_emb.weight
+        self.cp: Any = None  # context parallelism (trainer/context.py): global positions of the shard
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
@@ -173,7 +185,9 @@ class GPT(nn.Module):
         else:
             x = self.tok_emb(idx)
             if self.pos_emb is not None:
-                x = x + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+                T = idx.shape[1]
+                pos = torch.arange(T, device=idx.device) if self.cp is None else self.cp.positions(T, idx.device)
+                x = x + self.pos_emb(pos)
         for block in self.layers.values():
             x = block(x)
         return x if self.head is None else self.head(self.norm(x))

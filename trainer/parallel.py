@@ -157,13 +157,18 @@ def fp8_keep(mod: nn.Module, fqn: str) -> bool:
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, *, device: torch.device,
                 activation_checkpointing: str = "none", compile: bool = False, fp8: bool = False,
                 param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> nn.Module:
-    """TP → EP → fp8 → AC → compile → FSDP2, in place on a (meta) model. Returns the model."""
+    """fp8 (it swaps the linears) → CP → TP → EP → AC → compile → FSDP2, in place on a (meta)
+    model. Returns the model."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if fp8:
         if device.type != "cuda":
             raise ConfigError("trainer.fp8: true needs a CUDA GPU (Hopper or newer); this run is on CPU")
         apply_fp8(model)
+    if meshes.cp is not None:  # the sequence shard's positions and all-gather-KV attention
+        from trainer.context import apply_cp
+
+        apply_cp(model, meshes.cp)
     if meshes.tp is not None:
         apply_tp(model, meshes.tp)
     if meshes.expert is not None:

@@ -269,6 +269,10 @@ class Run:
         step_sleep = float(os.environ.get(STEP_SLEEP_ENV, "0") or 0)
         state_bytes: dict[str, int] | None = None
         moe_layers = model.moe_layers()
+        cp = getattr(model, "cp", None)  # context parallelism: this rank's slice of every sequence
+        if cp is not None and self.rank == 0:
+            log.info("context parallel: cp %d, each rank holds %d of %d tokens of every sequence (rank 0: "
+                     "chunks %s of %d)", cp.size, t.seq_len // cp.size, t.seq_len, cp.chunks(), 2 * cp.size)
         t_start = time.time()
 
         def save(at: int, sync: bool = False, emergency: bool = False) -> None:
@@ -307,6 +311,8 @@ class Run:
                     with amp_context(device, param_dtype, meshes):
                         loss_acc = pipe.step(loader.batches(step), scaler, t.z_loss, model)
                 for x, y in (loader.batches(step) if pipe is None else ()):
+                    if cp is not None:  # the tokens and their labels, sliced alike (head-tail)
+                        x, y = cp.shard(x), cp.shard(y)
                     with loss_context(model):  # loss_parallel under TP with an untied head
                         with amp_context(device, param_dtype, meshes):
                             loss, ce = loss_fn(model(x), y, t.z_loss)
@@ -435,7 +441,7 @@ class Run:
                         "world_size": self.world, "checkpoint_stall_s": ckpt.stall_s,
                         "parallel": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
                                      "pp": dims.pp,
-                                     "ep": dims.ep},
+                                     "ep": dims.ep, **({"cp": dims.cp} if dims.cp > 1 else {})},
                         # per rank, after the last optimizer step (None if this attempt ran no step)
                         "state_bytes_per_rank": all_bytes,
                     })

@@ -77,12 +77,13 @@ class JobSpec(_Model):
                     raise ValueError(f"trainer.parallel.cp ({p.cp}): trainer.seq_len ({t.seq_len}) must be "
                                      f"divisible by 2 × cp = {2 * p.cp} (head-tail balanced sequence shards)")
                 n //= p.pp * p.cp  # the rest of the checks are per pipeline stage and context group
-                # cp is refused here, before anything is rented, until the trainer's CP step lands
-                # (the trainer refuses it too, exit 2): a dry run must not quote a layout the node
-                # would reject on its first paid minute. pp runs (trainer/pipeline.py).
-                if p.cp > 1:
-                    raise ValueError(f"trainer.parallel: cp ({p.cp}) > 1 is not supported by the bundled trainer "
-                                     "yet (context parallelism is planned); use dp_shard, dp_replicate, tp, ep or pp")
+                # pp (trainer/pipeline.py) and cp (trainer/context.py) run, but not together nor cp
+                # with ep: refused here, before anything is rented (the trainer refuses them too,
+                # exit 2) — a dry run must not quote a layout the node would reject.
+                if p.cp > 1 and (p.pp > 1 or p.ep > 1):
+                    other = f"pp ({p.pp})" if p.pp > 1 else f"ep ({p.ep})"
+                    raise ValueError(f"trainer.parallel: cp ({p.cp}) > 1 with {other} > 1 is not supported by the "
+                                     "bundled trainer; use one of them")
             if n % p.tp:
                 raise ValueError(f"trainer.parallel.tp ({p.tp}) must divide the job's GPUs "
                                  f"({r.nodes} nodes × {r.gpus_per_node} = {n})")

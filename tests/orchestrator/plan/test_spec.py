@@ -139,16 +139,28 @@ def test_schema_has_field_docs():
     assert schema["additionalProperties"] is False
 
 
-@pytest.mark.parametrize("degrees, why", [({"cp": 2}, "cp (2) > 1 is not supported"),
+@pytest.mark.parametrize("degrees, why", [({"cp": 2, "pp": 2}, "cp (2) > 1 with pp (2) > 1 is not supported"),
+                                          ({"cp": 2, "ep": 2}, "cp (2) > 1 with ep (2) > 1 is not supported"),
                                           ({"pp": 3}, "pp (3) × cp (1) must divide the job's GPUs"),
-                                          ({"cp": 2, "dp_shard": 4}, "not supported")])
+                                          ({"cp": 3}, "pp (1) × cp (3) must divide the job's GPUs")])
 def test_pipeline_and_context_degrees_are_refused_before_anything_is_rented(degrees, why):
-    # The trainer has no CP step yet: a dry run must not quote a layout the node would reject.
+    # Combinations the trainer does not run: a dry run must not quote a layout the node would reject.
     raw = json.loads(json.dumps(GOOD))
     raw["trainer"]["parallel"] = degrees
     with pytest.raises(Exception) as e:
         JobSpec.model_validate(raw)
     assert why in str(e.value)
+
+
+def test_context_degree_is_accepted_now_the_trainer_runs_it():
+    raw = json.loads(json.dumps(GOOD))
+    raw["trainer"]["parallel"] = {"cp": 2}
+    raw["trainer"]["seq_len"] = 1024
+    assert JobSpec.model_validate(raw).trainer.parallel.cp == 2
+    raw["trainer"]["seq_len"] = 1022  # not divisible by 2 × cp
+    with pytest.raises(Exception) as e:
+        JobSpec.model_validate(raw)
+    assert "trainer.seq_len (1022) must be divisible by 2 × cp = 4" in str(e.value)
 
 
 def test_pipeline_degree_is_accepted_now_the_trainer_runs_it():
