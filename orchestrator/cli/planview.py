@@ -257,6 +257,10 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
             con.print(f"  compute        {fmt_hours(b['compute_hours'])}  = 6 × {fmt_count(b['active_params'])} params "
                       f"× {fmt_count(b['tokens'])} tokens / ({b['gpus']} × {fmt_flops(b['peak_flops_per_gpu'])} "
                       f"× MFU {b['mfu']:.2f})")
+        if b.get("pipeline") and b["hours_source"] != "budget.hours":
+            pp = b["pipeline"]
+            con.print(f"  pipeline bubble: {pp['bubble']:.1%} ({pp['schedule']}, {pp['microbatches']} microbatches, "
+                      f"pp {pp['pp']}; in the compute above)")
         if b["hours_source"] != "budget.hours":
             su = b.get("startup") or {}
             con.print(f"  start-up       {fmt_hours(b['startup_hours'])}  (per start: provisioning "

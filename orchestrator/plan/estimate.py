@@ -247,6 +247,7 @@ def estimate_offer(spec: JobSpec, offer: Offer, rate_override: float | None = No
         "buffer_basis": buffer_basis,
         "step_floor_seconds": w["step_floor_seconds"],
         "flops_step_seconds": w["flops_step_seconds"],
+        "pipeline": w.get("pipeline"),
         "deadline": deadline,
     }
     return Estimate(hours=hours, expected_usd=expected, cost_usd=cost, buffer=b.buffer,

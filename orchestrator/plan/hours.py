@@ -221,7 +221,9 @@ def workload(spec: JobSpec, offer: Offer, rate: float) -> dict[str, Any]:
                 "step_floor_seconds": 0.0, "flops_step_seconds": step_s}
     t = spec.trainer
     assert t is not None
-    step_s = step_seconds(spec, offer.gpu, gpus)
+    pipe = pipeline_for(spec, offer.gpu, offer.gpus_per_node, offer.nodes)
+    flops_s = compute_step_seconds(spec, offer.gpu, gpus) / (1.0 - (pipe["bubble"] if pipe else 0.0))
+    step_s = max(flops_s, step_floor_seconds(spec, gpus))
     every = checkpoint_interval_steps(spec, rate, step_s)
     steps = t.total_steps
     return {"step_s": step_s, "steps": steps, "every": every, "compute_h": steps * step_s / 3600.0,
@@ -230,4 +232,38 @@ def workload(spec: JobSpec, offer: Offer, rate: float) -> dict[str, Any]:
             "hours_source": "budget.hours" if b.hours is not None else "token budget",
             "params": t.model_spec.num_params(), "active_params": t.model_spec.active_params(),
             "tokens": t.total_tokens, "step_floor_seconds": step_floor_seconds(spec, gpus),
-            "flops_step_seconds": compute_step_seconds(spec, offer.gpu, gpus)}
+            "flops_step_seconds": flops_s, "pipeline": pipe}
+
+
+_PIPE_CACHE: dict[tuple[int, str, int, int], tuple[JobSpec, dict[str, Any] | None]] = {}
+
+
+def pipeline_for(spec: JobSpec, gpu: str, gpus_per_node: int, nodes: int) -> dict[str, Any] | None:
+    """The pipeline the job runs on that shape (``plan/pipeline.pipeline_info``: schedule,
+    microbatches, bubble), None without PP: the written degrees, or for ``parallel: auto`` the
+    planner's pick there (PP rungs exist only on several nodes). Its bubble is idle time: the
+    FLOPs' step time is divided by ``1 − bubble``."""
+    from orchestrator.plan.ladder import planned_micro_batch
+    from orchestrator.plan.pipeline import pipeline_info
+
+    t = spec.trainer
+    if t.parallel != "auto":
+        par = spec.parallel_degrees
+        return pipeline_info(spec, par, planned_micro_batch(spec, par)) if par.pp > 1 else None
+    if nodes < 2 or gpu == "cpu":
+        return None
+    key = (id(spec), gpu, gpus_per_node, nodes)
+    hit = _PIPE_CACHE.get(key)
+    if hit is None or hit[0] is not spec:
+        from orchestrator.contract.errors import DtrunError
+        from orchestrator.plan.planner import auto_plan
+
+        try:
+            p = auto_plan(spec, gpu=gpu, gpus_per_node=gpus_per_node, nodes=nodes, suggest=False)
+            info = p.pipeline if p.fits else None
+        except DtrunError:
+            info = None
+        if len(_PIPE_CACHE) > 64:
+            _PIPE_CACHE.clear()
+        hit = _PIPE_CACHE[key] = (spec, info)
+    return hit[1]

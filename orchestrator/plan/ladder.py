@@ -22,6 +22,14 @@ The ladder (lowest first; the planner picks the lowest rung that fits)::
     …+epE         MoE models: experts split over E ranks (expert parallel; each MoE's experts are
                   their own FSDP unit sharded over the dp/E ranks holding the same experts; the
                   bundled trainer does not combine EP with TP)
+    fsdp-zero3+cpC   context parallel: each rank a 1/C shard of every sequence (long sequences,
+                  where activations dominate; C within a node; while the bundled trainer's job
+                  check refuses cp, these rungs carry that refusal as their note)
+    ppN+fsdp-zero3(+tpT)   several nodes only: pipeline parallel with one stage per node (pp =
+                  nodes, 1f1b), FSDP (and TP) within the node: only activations cross nodes
+                  (point to point), so auto tries these right after HSDP and before any layout
+                  whose all-gathers cross nodes. Bytes per stage, the schedule's in-flight
+                  microbatches and its bubble: ``plan/pipeline.py``
 
 The rungs mirror ``trainer/parallel.py`` exactly (tests/trainer/test_planner_exact.py runs the
 real trainer under torchrun and compares every rank's bytes). ``trainer.parallel: auto`` is
@@ -31,6 +39,7 @@ checkpointing too. When no rung fits, ``plan/suggest.py`` says what would.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +50,7 @@ from orchestrator.plan.memory import (
     FIXED_OVERHEAD_BYTES, GB, HEADROOM, PREFETCHED_BLOCKS, Device, activation_bytes, local_shape, param_shapes,
     state_bytes_per_rank,
 )
+from orchestrator.plan.pipeline import evaluate_pp_cp, microbatch_problem, pipeline_info, static_problem
 from orchestrator.plan.spec import JobSpec, Parallel
 from orchestrator.plan.suggest import suggest_fit
 
@@ -120,7 +130,16 @@ class MemoryPlan:
             "notes": list(self.notes),
             **({"auto": self.auto} if self.auto is not None else {}),
             **({"why": self.why} if self.why else {}),
+            **({"pipeline": self.pipeline} if self.pipeline else {}),
         }
+
+    @property
+    def pipeline(self) -> dict[str, Any] | None:
+        """Schedule, microbatches and bubble of a pipelined plan (None without PP)."""
+        return self.parallel_info.get("pipeline")
+
+    parallel_info: dict[str, Any] = field(default_factory=dict)
+    """``pipeline``: :func:`orchestrator.plan.pipeline.pipeline_info` of the chosen layout."""
 
 
 def dp_degree(par: Parallel) -> int:
@@ -176,6 +195,64 @@ def candidate_rungs(spec: JobSpec, n: int, gpus_per_node: int) -> list[tuple[str
             out.append((name, Parallel(dp_shard=max(dp, 1), tp=tp, ep=ep), note))
     # EP before TP for MoE (moving tokens is cheaper than splitting every matmul); order by tp
     # then ep so the ladder stays "fewest/cheapest extras first".
+    out += _cp_rungs(spec, n, gpus_per_node)
+    out += _pp_rungs(spec, n, gpus_per_node)
+    return out
+
+
+def cp_supported() -> str:
+    """Empty when the job check accepts ``cp > 1`` (the bundled trainer runs it), else its reason."""
+    return _cp_probe()
+
+
+@functools.lru_cache(maxsize=1)
+def _cp_probe() -> str:
+    try:
+        JobSpec.model_validate({"name": "cp-probe", "resources": {"providers": ["local"], "gpu": "cpu",
+                                                                  "gpus_per_node": 2},
+                                "trainer": {"model": "tiny", "parallel": {"cp": 2}, "steps": 1,
+                                            "batch_size": 2, "seq_len": 128}})
+    except ValueError as e:
+        return str(e).split("\n")[-1].strip() or "cp is refused by the job check"
+    return ""
+
+
+def _cp_rungs(spec: JobSpec, n: int, gpn: int) -> list[tuple[str, Parallel, str]]:
+    """Context parallel within a node (cp ∈ 2, 4, 8; alone, then under TP: tp × cp ≤ GPUs per
+    node), FSDP over the rest (cp folded into its shard group)."""
+    ms, t = spec.trainer.model_spec, spec.trainer
+    out: list[tuple[str, Parallel, str]] = []
+    for tp in (1, 2, 4):
+        for cp in (2, 4, 8):
+            if tp * cp > gpn or n % (tp * cp):
+                continue
+            dp = n // (tp * cp)
+            par = Parallel(dp_shard=dp, tp=tp, cp=cp)
+            note = static_problem(spec, par) or cp_supported()
+            if not note and tp > 1 and (ms.n_heads % tp or ms.kv_heads % tp or ms.ff_dim % tp):
+                note = f"tp {tp} does not divide the heads or the feed-forward size"
+            if not note and t.batch_size % dp:
+                note = f"batch_size {t.batch_size} not divisible by the data-parallel degree {dp}"
+            out.append(("fsdp-zero3" + (f"+tp{tp}" if tp > 1 else "") + f"+cp{cp}", par, note))
+    return out
+
+
+def _pp_rungs(spec: JobSpec, n: int, gpn: int) -> list[tuple[str, Parallel, str]]:
+    """One pipeline stage per node (1f1b), FSDP and then TP × FSDP within the node."""
+    nodes = n // gpn
+    if nodes < 2:
+        return []
+    ms, t = spec.trainer.model_spec, spec.trainer
+    out: list[tuple[str, Parallel, str]] = []
+    for tp in [1] + [x for x in (2, 4, 8) if x <= gpn]:
+        par = Parallel(pp=nodes, dp_shard=gpn // tp, tp=tp)
+        name = f"pp{nodes}+fsdp-zero3" + (f"+tp{tp}" if tp > 1 else "")
+        note = static_problem(spec, par) or ""
+        if not note and tp > 1 and (gpn % tp or ms.n_heads % tp or ms.kv_heads % tp or ms.ff_dim % tp):
+            note = f"tp {tp} does not divide the GPUs per node, the heads or the feed-forward size"
+        if not note and t.batch_size % (gpn // tp):
+            note = f"batch_size {t.batch_size} not divisible by the data-parallel degree {gpn // tp}"
+        out.append((name, par, note))
     return out
 
 
@@ -194,6 +271,10 @@ def planned_micro_batch(spec: JobSpec, par: Parallel) -> int:
     t = spec.trainer
     if t.micro_batch_size:
         return t.micro_batch_size
+    if par.pp > 1:
+        # Pipelined: one sequence per microbatch — the most microbatches (the smallest bubble) and
+        # the least activation memory per microbatch held (torchtitan's default microbatch size).
+        return 1
     dp = dp_degree(par)
     per_dp = max(1, t.batch_size // dp)
     want = max(1, t.batch_size // (dp * par.tp))
@@ -207,6 +288,8 @@ def evaluate_rung(spec: JobSpec, par: Parallel, strategy: str, device: Device,
     elem, mixed = _elem_bytes(spec, device)
     dp = par.dp_shard
     mb = micro_batch or planned_micro_batch(spec, par)
+    if par.pp > 1 or par.cp > 1:
+        return _evaluate_pp_cp_rung(spec, par, strategy, device, mb, checkpointing or t.activation_checkpointing)
     state = state_bytes_per_rank(ms, par, optimizer=t.optimizer, padded=True)
 
     # Parameters/gradients in flight (unsharded, compute dtype), by FSDP unit.
@@ -245,6 +328,20 @@ def evaluate_rung(spec: JobSpec, par: Parallel, strategy: str, device: Device,
     return Rung(strategy, par, memory_bytes=modelled + overhead, breakdown=breakdown)
 
 
+def _evaluate_pp_cp_rung(spec: JobSpec, par: Parallel, strategy: str, device: Device, mb: int,
+                         checkpointing: str) -> Rung:
+    """A PP/CP rung: ``plan/pipeline.py``'s worst rank plus the overhead; a layout that cannot run
+    (at this micro-batch) comes back with its reason as the note."""
+    elem, mixed = _elem_bytes(spec, device)
+    note = static_problem(spec, par) or microbatch_problem(spec, par, mb)
+    if note:
+        return Rung(strategy, par, note=note)
+    breakdown = evaluate_pp_cp(spec, par, mb, elem, mixed, checkpointing, fused=device == "gpu")
+    modelled = sum(breakdown.values())
+    breakdown["overhead"] = int(HEADROOM * modelled) + (FIXED_OVERHEAD_BYTES if device == "gpu" else 0)
+    return Rung(strategy, par, memory_bytes=modelled + breakdown["overhead"], breakdown=breakdown)
+
+
 def plan_target(spec: JobSpec, gpu: str | None, gpus_per_node: int | None, nodes: int | None
             ) -> tuple[str, int, int, int, Device, float | None]:
     """(gpu, GPUs per node, nodes, GPUs, device kind, memory limit in bytes or None) for a plan,
@@ -273,7 +370,7 @@ def plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None = None
             rungs.append(Rung(name, par, note=note))
             continue
         rung = evaluate_rung(spec, par, name, device)
-        rung.fits = limit is None or rung.memory_bytes <= limit
+        rung.fits = not rung.note and (limit is None or rung.memory_bytes <= limit)
         rungs.append(rung)
     evaluated = [x for x in rungs if not x.note]
     notes: list[str] = []
@@ -303,6 +400,7 @@ def plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None = None
         notes=notes,
         activation_checkpointing=spec.trainer.activation_checkpointing,
         why=multi_node_why(chosen.strategy, rungs, nn, gpn),
+        parallel_info={"pipeline": pipeline_info(spec, chosen.parallel, mb)},
     )
     if not fits and suggest:
         p.suggestion = suggest_fit(spec, g, gpn, nn, fits_on=_fits_on,
@@ -343,6 +441,12 @@ def multi_node_why(strategy: str, rungs: list[Rung], nodes: int, gpus_per_node: 
                 f"{nodes} nodes (dp_replicate {nodes}): parameter all-gathers and gradient reduce-scatters stay on "
                 f"a node's own links, one gradient all-reduce per step crosses nodes; ddp needs {gb('ddp')} "
                 f"(does not fit)")
+    if strategy.startswith("pp"):
+        hs_why = (f"HSDP (one node's shard group) fits at no micro-batch or activation checkpointing auto may "
+                  f"choose (smallest: {hsdp_searched})" if hsdp_searched else
+                  f"HSDP needs {gb('hsdp-zero3')} and does not fit")
+        return (f"{strategy}: one pipeline stage per node (pp {nodes}), sharded within it — only activations "
+                f"cross nodes, point to point; {hs_why}")
     if strategy == "ddp":
         return f"ddp fits ({gb('ddp')}): one gradient all-reduce per step crosses nodes, nothing else"
     hs = [r for r in rungs if r.strategy.startswith("hsdp")]
@@ -364,6 +468,10 @@ def strategy_name(par: Parallel, n: int) -> str:
     """The ladder name of explicit degrees."""
     if n == 1:
         return "single"
+    if par.pp > 1:
+        return f"pp{par.pp}+" + strategy_name(par.model_copy(update={"pp": 1}), max(2, n // par.pp))
+    if par.cp > 1:
+        return strategy_name(par.model_copy(update={"cp": 1}), max(2, n)) + f"+cp{par.cp}"
     if par.replicate and par.tp == 1 and par.ep == 1:
         return "ddp"
     base = ("hsdp" if par.dp_replicate > 1 else "fsdp") + ("-zero3" if par.reshard_after_forward else "-zero2")
@@ -386,5 +494,5 @@ def evaluate_spec_parallel(spec: JobSpec, gpu: str | None = None) -> Rung | None
     device: Device = "cpu" if g == "cpu" else "gpu"
     rung = evaluate_rung(spec, par, strategy_name(par, n), device)
     limit = None if device == "cpu" else GPUS[g].memory_gb * GB
-    rung.fits = limit is None or rung.memory_bytes <= limit
+    rung.fits = not rung.note and (limit is None or rung.memory_bytes <= limit)
     return rung

@@ -45,6 +45,13 @@ vocab-sharded logits are upcast in one shot). With
 TP the planner keeps the micro-batch of the pure data-parallel layout (``batch_size / GPUs``;
 gradient accumulation makes up the rest), so TP lowers per-rank activations.
 
+Pipeline (``pp``) and context (``cp``) parallel layouts are counted per stage and per sequence
+shard by ``plan/pipeline.py`` on top of these functions: a stage's own layers (the embedding on
+the first, the norm, head and loss on the last), the activations of the microbatches its schedule
+holds in flight (gpipe all ``m``, 1f1b ``p``, interleaved ``p + (p − 1)/v``, zbv ``p``, dualpipev
+``p + 1/2``, checked against torch's own schedules), and under cp ``1/cp`` of every per-token
+activation plus the all-gathered K/V.
+
 Fit: ``(modelled bytes) × 1.10 + 2 GB ≤ the GPU's memory`` (vendor GB, 10^9 bytes). CPU ranks
 are not checked. Not modelled: allocator caching beyond the headroom, torch.compile workspaces,
 fp8 scaling state, NCCL's own buffers beyond the fixed 2 GB. Accuracy against

@@ -21,6 +21,7 @@ from orchestrator.plan.ladder import (
     multi_node_why, plan, plan_target, planned_micro_batch,
 )
 from orchestrator.plan.memory import host_bytes_per_node
+from orchestrator.plan.pipeline import pipeline_info
 from orchestrator.plan.spec import JobSpec
 from orchestrator.plan.suggest import suggest_fit
 
@@ -100,6 +101,8 @@ def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None =
                     continue
                 mb = _mb_below(max(1, t.batch_size // dp_degree(par)), default >> k)
             rung = evaluate_rung(spec, par, name, device, micro_batch=mb, checkpointing=ac)
+            if rung.note:  # a pipeline with too few microbatches at this micro-batch
+                continue
             rung.fits = limit is None or rung.memory_bytes <= limit
             out.append((rung, mb))
         return out
@@ -130,6 +133,11 @@ def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None =
         chosen, best = search(local)
         if chosen is None:
             hsdp_best = best
+    piped = {name for name, _ in valid if name.startswith("pp")}
+    if chosen is None and piped:
+        # One pipeline stage per node: only activations cross nodes (point to point) — before any
+        # layout whose every all-gather crosses them.
+        chosen, _ = search(piped)
     if chosen is None:
         chosen, best = search({name for name, _ in valid})
     fits = chosen is not None
@@ -146,7 +154,7 @@ def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None =
         m = default if pin["micro_batch_size"] else _mb_below(
             max(1, t.batch_size // dp_degree(par)), min(default, mb))
         x = evaluate_rung(spec, par, name, device, micro_batch=m, checkpointing=ac)
-        x.fits = limit is None or x.memory_bytes <= limit
+        x.fits = not x.note and (limit is None or x.memory_bytes <= limit)
         shown.append(x)
     default_mb = planned_micro_batch(spec, rung.parallel)
     changed = []
@@ -162,6 +170,7 @@ def auto_plan(spec: JobSpec, gpu: str | None = None, gpus_per_node: int | None =
         gpu_memory_gb=None if limit is None else GPUS[g].memory_gb, gpus_per_node=gpn, nodes=nn,
         micro_batch_size=mb, notes=notes, activation_checkpointing=ac,
         auto={"pinned": [k for k, v in pin.items() if v], "changed": changed},
+        parallel_info={"pipeline": pipeline_info(spec, rung.parallel, mb)},
         why=multi_node_why(rung.strategy, shown, nn, gpn, hsdp_searched=None if hsdp_best is None else (
             f"{hsdp_best[0].strategy} at {hsdp_best[0].memory_per_gpu_gb:.1f} GB/GPU with micro_batch_size "
             f"{hsdp_best[1]}, activation_checkpointing {hsdp_best[2]}")),
@@ -187,7 +196,8 @@ def _could_fit(spec: JobSpec, gpu: str, gpn: int, nodes: int) -> bool:
         if note:
             continue
         mb = planned_micro_batch(spec, par) if pin["micro_batch_size"] else 1
-        if evaluate_rung(spec, par, name, device, micro_batch=mb, checkpointing=ac).memory_bytes <= limit:
+        r = evaluate_rung(spec, par, name, device, micro_batch=mb, checkpointing=ac)
+        if not r.note and r.memory_bytes <= limit:
             return True
     return False
 
@@ -254,6 +264,8 @@ def _gpu_fit_check(spec: JobSpec, gpu: str | None = None) -> tuple[MemoryPlan, s
     assert mine is not None
     if mine.fits:
         return p, None
+    if mine.note:  # a pipeline that cannot run as written (too few microbatches)
+        return p, mine.note
     other = f"; {p.strategy} fits at {p.memory_per_gpu_gb:.1f} GB/GPU (or use parallel: auto)" if p.fits \
         else f"; {p.suggestion}"
     return p, (f"trainer.parallel ({mine.strategy}) needs {mine.memory_per_gpu_gb:.1f} GB/GPU on {g} "
