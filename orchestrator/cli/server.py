@@ -46,12 +46,13 @@ def cmd_serve(host: str, port: int, database: str | None, tls_cert: str | None, 
             raise UsageError(f"{opt}: no such file {path!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = _engine(database)
+    key = _server_key(engine)
     app = create_app(engine)
     loop = None
     if controllers:
         from orchestrator.server.runner import ReplicaThread
 
-        loop = ReplicaThread(engine).start()  # submitted jobs run here, with no CLI process alive
+        loop = ReplicaThread(engine, secret_key=key).start()  # submitted jobs run here, with no CLI process alive
     try:
         # access logs name the method and path only: the token travels in a header, never in the URL
         uvicorn.run(app, host=host, port=port, ssl_certfile=tls_cert, ssl_keyfile=tls_key, log_level="info",
@@ -60,6 +61,24 @@ def cmd_serve(host: str, port: int, database: str | None, tls_cert: str | None, 
         if loop is not None:
             loop.stop()
     return EXIT_OK
+
+
+def _server_key(engine) -> bytes | None:
+    """The key of the team secrets (``orchestrator.server.teamsecrets``); refuses to start when
+    secrets are stored and no key is found. ``DTRUN_SERVER_KEY`` leaves this process's environment
+    once read: nodes started on this machine inherit that environment."""
+    from orchestrator.server import teamsecrets
+    from orchestrator.server.db import session_scope
+
+    key = teamsecrets.load_key()
+    os.environ.pop(teamsecrets.KEY_ENV, None)
+    if key is None:
+        with session_scope(engine) as s:
+            if teamsecrets.any_secrets(s):
+                raise teamsecrets.SecretKeyError(
+                    f"{teamsecrets.KEY_ENV}: the database holds team secrets and no server key was found (set "
+                    f"{teamsecrets.KEY_ENV} or {teamsecrets.KEY_FILE_ENV}, default {teamsecrets.default_key_file()})")
+    return key
 
 
 @server_app.callback()
@@ -141,6 +160,125 @@ def admin_token(
         _, u = _find(s, team, user)
         token = issue_token(s, u)
     typer.echo(token)
+
+
+secret_app = typer.Typer(help="A team's credentials for its nodes, stored encrypted (values from stdin or a file, "
+                          "never the command line).")
+admin_app.add_typer(secret_app, name="secret")
+KindArg = Annotated[str, typer.Argument(help="aws (S3 keys: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...) or "
+                                        "node (other variables for the team's nodes).")]
+
+
+@admin_app.command("key")
+def admin_key(
+    file: Annotated[Optional[str], typer.Option("--file", help="Where (default: $DTRUN_SERVER_KEY_FILE or "
+                                                "$DTRUN_HOME/server.key).")] = None,
+) -> None:
+    """Make the server key that encrypts the team secrets (a file with mode 0600; never overwritten)."""
+    from pathlib import Path
+
+    from orchestrator.server import teamsecrets
+
+    path = teamsecrets.write_key_file(Path(file) if file else teamsecrets.default_key_file())
+    typer.echo(f"server key written to {path} (mode 0600); keep a copy: without it the secrets cannot be read")
+
+
+@secret_app.command("set")
+def secret_set(
+    team: Annotated[str, typer.Argument(help="Team name.")],
+    kind: KindArg,
+    file: Annotated[Optional[str], typer.Option("--file", help="Read NAME=VALUE lines from this file "
+                                                "(default: stdin).")] = None,
+    database: DbOpt = None,
+) -> None:
+    """Store (replace) a team's secret: NAME=VALUE lines read from stdin or --file."""
+    import sys
+
+    from orchestrator.server import teamsecrets
+    from orchestrator.server.db import session_scope
+
+    key = teamsecrets.load_key()
+    if file:
+        try:
+            with open(file, encoding="utf-8") as f:
+                text = f.read(teamsecrets.MAX_VALUE_BYTES + 1)
+        except OSError as e:
+            raise UsageError(f"--file: cannot read {file!r}: {e.strerror}") from None
+    else:
+        if sys.stdin.isatty():
+            typer.echo("NAME=VALUE lines, then Ctrl-D:", err=True)
+        text = sys.stdin.read(teamsecrets.MAX_VALUE_BYTES + 1)
+    with session_scope(_engine(database)) as s:
+        t, _ = _find(s, team)
+        names = teamsecrets.set_secret(s, t, kind, text, key)
+    typer.echo(f"secret {kind} of team {team} stored encrypted: {', '.join(names)}")
+
+
+@secret_app.command("list")
+def secret_list(
+    team: Annotated[str, typer.Argument(help="Team name.")],
+    database: DbOpt = None,
+) -> None:
+    """A team's secrets: kinds and variable names, never a value."""
+    from orchestrator.server import teamsecrets
+    from orchestrator.server.db import session_scope
+
+    key = teamsecrets.load_key()
+    with session_scope(_engine(database)) as s:
+        t, _ = _find(s, team)
+        rows = teamsecrets.list_secrets(s, t, key)
+    for r in rows:
+        names = ", ".join(r["names"]) if r["names"] is not None else "(names need the server key)"
+        typer.echo(f"{r['kind']}: {names}")
+    if not rows:
+        typer.echo(f"team {team} has no secrets")
+
+
+@secret_app.command("delete")
+def secret_delete(
+    team: Annotated[str, typer.Argument(help="Team name.")],
+    kind: KindArg,
+    database: DbOpt = None,
+) -> None:
+    """Delete a team's secret."""
+    from orchestrator.contract.errors import NotFoundError
+    from orchestrator.server import teamsecrets
+    from orchestrator.server.db import session_scope
+
+    with session_scope(_engine(database)) as s:
+        t, _ = _find(s, team)
+        if not teamsecrets.delete_secret(s, t, kind):
+            raise NotFoundError(f"kind: team {team!r} has no secret {kind!r}")
+    typer.echo(f"secret {kind} of team {team} deleted")
+
+
+@server_app.command("import")
+def server_import(
+    team: Annotated[str, typer.Option("--team", help="The team the jobs go to.")],
+    home: Annotated[Optional[str], typer.Option("--home", help="The embedded dtrun home (default: $DTRUN_HOME "
+                                                "or ~/.dtrun).")] = None,
+    user: Annotated[Optional[str], typer.Option("--user", help="The owner of the imported jobs (default: the "
+                                                "team's first admin).")] = None,
+    database: DbOpt = None,
+) -> None:
+    """Import the ended jobs of an embedded ~/.dtrun (state, attempts, spend, events) into a team;
+    jobs already on the server are skipped, so running it twice imports nothing new."""
+    from pathlib import Path
+
+    from orchestrator.run.statedb import dtrun_home
+    from orchestrator.server.db import session_scope
+    from orchestrator.server.importer import import_store, open_home, pick_user
+
+    src = Path(home).expanduser() if home else dtrun_home()
+    store = open_home(src)
+    with session_scope(_engine(database)) as s:
+        t, _ = _find(s, team)
+        got = import_store(s, store, t, pick_user(s, t, user), str(src))
+    store.close()
+    for name, why in got["skipped"]:
+        typer.echo(f"skipped {name}: {why}")
+    typer.echo(f"imported {len(got['imported'])} jobs ({got['attempts']} attempts, {got['events']} events, "
+               f"${got['spend_usd']:.2f} spent) from {src} into team {team}")
 
 
 @app.command()

@@ -92,6 +92,9 @@ class Launcher:
         self.guard = guard
         self.observer = observer
         self.launch_wait = launch_wait
+        self.storage = node_storage
+        """``(spec, provider) -> (env, secrets)`` of a launch's S3 access (``nodecreds.node_storage``:
+        this process's environment); ``dtrun server`` puts the job's team's credentials here instead."""
 
     def start(self, now: float, plan: Any) -> EndJob | None:
         """Launch the next attempt (recorded before ``provider.launch`` is called); or why not."""
@@ -116,7 +119,7 @@ class Launcher:
         self.recovery.begin(now)  # provisioning is bounded by max_recovery_minutes too
         offer = strategy.current
         try:
-            node_env, node_secrets = node_storage(spec, offer.provider)
+            node_env, node_secrets = self.storage(spec, offer.provider)
         except ProviderRefused as e:
             return self.provider_refused(offer.provider, str(e))
         price = attempt_price_per_hour(spec, offer)

@@ -54,3 +54,37 @@ def refusal(month: dict, estimate_usd: float) -> str | None:
     return (f"budget: the job's estimate ${estimate_usd:,.2f} (with buffer) is more than the ${max(left, 0):,.2f} "
             f"left of team {month['team']!r}'s ${month['monthly_usd']:,.2f} this month "
             f"(spent ${month['spent_usd']:,.2f}, running jobs still expected to spend ${month['committed_usd']:,.2f})")
+
+
+def cap_check(s: Session, team: Team, now: float, tick_s: float, grace_s: float) -> tuple[str, str] | None:
+    """The running guard of the team's cap: ``("stop" | "hard", reason)`` when the team's booked
+    spend this month, carried on to ``now`` at each running job's rate (``jobs.price_per_hour``:
+    what it bills now, written by its owner's last tick), plus that rate over the next tick and a
+    graceful stop (``tick_s + grace_s``) would reach ``monthly_usd`` ("hard": even the next tick
+    alone would: terminate without the checkpoint). None when it fits (or the team has no cap).
+    The same arithmetic as a job's own guard (``orchestrator.run.guard``), over the team's jobs
+    whichever replica owns them."""
+    cap = team.monthly_usd
+    if cap is None:
+        return None
+    start = month_start(now)
+    jobs = s.scalars(select(Job).where(Job.team_id == team.id,
+                                       or_(Job.created >= start, Job.updated >= start,
+                                           Job.state.not_in(TERMINAL)))).all()
+    spent, rate = 0.0, 0.0
+    for j in jobs:
+        spent += j.spend_usd or 0.0
+        if j.state not in TERMINAL and j.price_per_hour:
+            rate += j.price_per_hour
+            if j.booked_until is not None:
+                spent += j.price_per_hour * max(0.0, now - j.booked_until) / 3600.0
+    if rate <= 0:
+        return None
+    head = (f"team budget: team {team.name!r} has ${spent:.2f} spent this month at ${rate:.2f}/h over its "
+            f"running jobs")
+    if spent + rate * tick_s / 3600.0 >= cap:
+        return "hard", f"{head}; the next tick would cross its monthly_usd ${cap:.2f}: stopping now"
+    if spent + rate * (tick_s + grace_s) / 3600.0 >= cap:
+        return "stop", (f"{head}; the next tick and a graceful stop would cross its monthly_usd "
+                        f"${cap:.2f}: stopping with a checkpoint")
+    return None

@@ -99,3 +99,23 @@ class TeamSecret(Base):
     team_id: Mapped[int] = mapped_column(ForeignKey("teams.id"))
     kind: Mapped[str] = mapped_column(String(40))  # e.g. aws, runpod, lambda
     ciphertext: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Attempt(Base):
+    """One attempt of a job, its outcome and its booked spend (so far: the history ``dtrun server
+    import`` brings from an embedded ``~/.dtrun``; a replica's live attempts stay in the
+    controllers' state store)."""
+
+    __tablename__ = "attempts"
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    n: Mapped[int] = mapped_column(Integer, primary_key=True)
+    provider: Mapped[str] = mapped_column(String(40))
+    state: Mapped[str] = mapped_column(String(20))
+    outcome: Mapped[str | None] = mapped_column(String(40))
+    reason: Mapped[str | None] = mapped_column(Text)
+    created: Mapped[float] = mapped_column(Float)
+    launched_at: Mapped[float | None] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    price_per_hour: Mapped[float | None] = mapped_column(Float)
+    seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    spend_usd: Mapped[float] = mapped_column(Float, default=0.0)

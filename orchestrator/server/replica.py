@@ -21,6 +21,12 @@ locks); moving attempts/nodes/spend into the server database is the next step.
 
 While another replica is healthy a replica claims nothing of its jobs: it renews its own leases
 and polls for free or expired ones every tick.
+
+Team credentials: each controller's launcher gets the job's team's decrypted secrets at launch
+time (``orchestrator.server.teamsecrets.team_node_storage``), never the server's environment.
+Team cap: before ticking, the replica checks each team it runs jobs for
+(``orchestrator.server.budget.cap_check``) and stops that team's jobs it owns with a checkpoint —
+the job's own budget stop (``Teardown.begin_stop`` → OVER_BUDGET), its reason naming the team cap.
 """
 
 from __future__ import annotations
@@ -34,10 +40,10 @@ from orchestrator.plan.spec import parse_spec
 from orchestrator.run.clock import Clock, RealClock
 from orchestrator.run.controller import Controller
 from orchestrator.run.state import TERMINAL_STATES, StateStore
-from orchestrator.server import leases
+from orchestrator.server import budget, leases, teamsecrets
 from orchestrator.server.db import session_scope
 from orchestrator.server.jobs import add_event
-from orchestrator.server.models import Job
+from orchestrator.server.models import Job, Team
 
 # the controller's states → the server's (orchestrator.server.models.JOB_STATES)
 _STATE = {"PENDING": "queued", "PROVISIONING": "running", "RUNNING": "running", "RECOVERING": "running",
@@ -48,7 +54,8 @@ _STATE = {"PENDING": "queued", "PROVISIONING": "running", "RUNNING": "running", 
 class Replica:
     def __init__(self, engine: Any, store: StateStore, providers: dict[str, Any], clock: Clock | None = None,
                  *, replica_id: str | None = None, ttl: float = leases.TTL_S, max_jobs: int = 50,
-                 make_plan: Callable[[Any], Any] | None = None, **controller_kw: Any) -> None:
+                 make_plan: Callable[[Any], Any] | None = None, secret_key: bytes | None = None,
+                 tick_seconds: float = 5.0, **controller_kw: Any) -> None:
         self.engine, self.store, self.providers = engine, store, providers
         self.clock = clock or RealClock()
         self.id = replica_id or f"replica-{uuid.uuid4().hex[:8]}"
@@ -57,6 +64,8 @@ class Replica:
         self.controller_kw = controller_kw
         self.owned: dict[int, int] = {}  # job id → epoch
         self.controllers: dict[int, Controller] = {}
+        self.team_of: dict[int, int] = {}  # job id → team id
+        self.secret_key, self.tick_seconds = secret_key, tick_seconds
 
     def tick(self) -> None:
         """Renew, claim what is free, tick every owned job's controller, write the results back."""
@@ -66,10 +75,11 @@ class Replica:
             room = self.max_jobs - len(self.owned)
             if room > 0:
                 self.owned.update(leases.claim(s, self.id, now, room, self.ttl))
-            specs = {j.id: (j.spec, j.plan) for j in s.scalars(select(Job).where(Job.id.in_(self.owned)))}
+            specs = {j.id: (j.spec, j.plan, j.team_id) for j in s.scalars(select(Job).where(Job.id.in_(self.owned)))}
         for jid in list(self.controllers):
             if jid not in self.owned:  # lost the lease: drop the controller, touch nothing more
                 del self.controllers[jid]
+        self.team_cap(now)
         renewed_at = now
         for jid, epoch in list(self.owned.items()):
             if self.clock.now() - renewed_at > self.ttl / 2:
@@ -80,6 +90,8 @@ class Replica:
                 plan = self.make_plan(spec) if self.make_plan else None
                 ctl = self.controllers[jid] = Controller(spec, self.store, clock=self.clock, providers=self.providers,
                                                          plan=plan, **self.controller_kw)
+                self.team_of[jid] = specs[jid][2]
+                ctl.launcher.storage = self._team_storage(specs[jid][2])
             try:
                 state = ctl.tick()
                 err = None
@@ -100,6 +112,7 @@ class Replica:
                     add_event(s, job, "state", f"{new} ({row.get('reason') or state})")
                 job.state, job.reason = new, row.get("reason")
                 job.spend_usd = self.store.spend_total(ctl.name)
+                job.price_per_hour = ctl.burn_per_hour() if state not in TERMINAL_STATES else 0.0
                 job.booked_until = self.clock.now()
                 att = ctl.current_attempt()
                 job.attempt = att["n"] if att else 0
@@ -112,6 +125,39 @@ class Replica:
         if state in TERMINAL_STATES:
             self.owned.pop(jid, None)
             self.controllers.pop(jid, None)
+
+    def _team_storage(self, team_id: int) -> Callable[[Any, str], tuple[dict[str, str], dict[str, str]]]:
+        """The launcher's ``storage`` for one team's job: its team's secrets, read at each launch."""
+        def storage(spec: Any, provider: str) -> tuple[dict[str, str], dict[str, str]]:
+            with session_scope(self.engine) as s:
+                team = s.get(Team, team_id)
+                found = teamsecrets.team_secrets(s, team_id, self.secret_key)
+                name = team.name if team is not None else str(team_id)
+            return teamsecrets.team_node_storage(found, name, spec, provider)
+        return storage
+
+    def team_cap(self, now: float) -> None:
+        """Stop (with a checkpoint) this replica's jobs of every team whose month would be crossed."""
+        teams: dict[int, list[Controller]] = {}
+        for jid, ctl in self.controllers.items():
+            if jid in self.owned and ctl.started and ctl.state not in TERMINAL_STATES:
+                teams.setdefault(self.team_of[jid], []).append(ctl)
+        for tid, ctls in teams.items():
+            grace = max(c.stop_grace for c in ctls)
+            with session_scope(self.engine) as s:
+                team = s.get(Team, tid)
+                verdict = budget.cap_check(s, team, now, self.tick_seconds, grace) if team is not None else None
+            if verdict is None:
+                continue
+            how, reason = verdict
+            for ctl in ctls:
+                if ctl.state == "STOPPING":
+                    if how == "hard" and not (self.store.get_job(ctl.name) or {}).get("stop_now"):
+                        self.store.update_job(ctl.name, stop_now=1)
+                        ctl.event("guard", f"terminating now: {reason}")
+                    continue
+                ctl.event("guard", reason)
+                ctl.teardown.begin_stop("OVER_BUDGET", reason, hard=how == "hard")
 
     def request_actions(self) -> None:
         """Pass ``request_stop`` from the server's rows to the controllers' store (read each tick)."""

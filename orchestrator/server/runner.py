@@ -24,7 +24,7 @@ class ReplicaThread:
         from orchestrator.run.state import StateStore
         from orchestrator.server.replica import Replica
 
-        self.replica = Replica(engine, StateStore(), providers={}, **replica_kw)
+        self.replica = Replica(engine, StateStore(), providers={}, tick_seconds=tick_seconds, **replica_kw)
         self.tick_seconds = tick_seconds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"dtrun-{self.replica.id}", daemon=True)

@@ -17,7 +17,8 @@ from orchestrator.server.api import create_app
 from orchestrator.server.auth import BadTokenLimiter, create_team, create_user, hash_token, issue_token
 from orchestrator.server.db import make_engine, session_scope
 from orchestrator.server.migrate import upgrade
-from orchestrator.server.models import Job, TeamSecret
+from orchestrator.server import teamsecrets
+from orchestrator.server.models import Job
 from providers.fake import FakeOfferTemplate, FakeProvider
 
 SECRET = "AKIA-very-secret-key-0123456789"
@@ -40,7 +41,7 @@ def world(tmp_path):
         ua = create_user(s, a, "ann", "admin")
         ub = create_user(s, b, "bob")
         ta, tb = issue_token(s, ua), issue_token(s, ub)
-        s.add(TeamSecret(team_id=a.id, kind="aws", ciphertext=SECRET.encode()))
+        teamsecrets.set_secret(s, a, "aws", f"AWS_ACCESS_KEY_ID=AKIAX\nAWS_SECRET_ACCESS_KEY={SECRET}\n", b"k" * 32)
     cloud = FakeProvider(offers=[FakeOfferTemplate("fake-east", "H100", False, 2.0)])
     app = create_app(engine, get=lambda n: cloud, limiter=BadTokenLimiter(limit=5, window=60))
     client = TestClient(app, raise_server_exceptions=False)
