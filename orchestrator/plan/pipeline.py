@@ -125,6 +125,9 @@ def static_problem(spec: JobSpec, par: Parallel) -> str | None:
     if par.cp > 1 and t.seq_len % (2 * par.cp):
         return (f"trainer.parallel.cp ({par.cp}): trainer.seq_len ({t.seq_len}) must be divisible by "
                 f"2 × cp = {2 * par.cp}")
+    if par.cp > 1 and (t.seq_len // par.cp) % par.tp:
+        return (f"trainer.parallel.cp ({par.cp}): seq_len / cp ({t.seq_len // par.cp}) must be divisible by "
+                f"tp ({par.tp}) (sequence parallel)")
     if par.pp <= 1:
         return None
     if par.cp > 1:
