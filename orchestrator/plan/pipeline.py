@@ -47,6 +47,7 @@ without a fused kernel the scores are ``(s/cp) × s`` instead of ``(s/cp)²``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -221,6 +222,26 @@ def cp_extra_bytes(ms: ModelSpec, seq: int, cp: int, b: int, elem: int, tp: int,
     return out // tp
 
 
+@functools.lru_cache(maxsize=64)
+def _unit_table(ms: ModelSpec, dp_shard: int, tp: int, ep: int, replicate: bool,
+                muon: bool) -> dict[str, tuple[int, int, int]]:
+    """Per FSDP unit (the root split into ``root:emb`` and ``root:head``): (parameter bytes of
+    this rank's padded shard, optimizer bytes, unsharded elements under TP). Cached: the ladder
+    evaluates every pipeline rank of every rung, and the suggestion search many layouts."""
+    shard = Parallel(dp_shard=dp_shard, tp=tp, ep=ep, replicate=replicate)
+    whole = Parallel(dp_shard=1, tp=tp, ep=1, replicate=True)
+    out: dict[str, tuple[int, int, int]] = {}
+    for prm in param_shapes(ms):
+        key = prm.unit
+        if key == "root":
+            key = "root:emb" if prm.name.startswith(("tok_embeddings", "pos_embeddings")) else "root:head"
+        n = math.prod(local_shape(prm, shard, 0, 0, 0, True))
+        o = 4 * n if (muon and prm.matrix) else 8 * n
+        a, b, c = out.get(key, (0, 0, 0))
+        out[key] = (a + 4 * n, b + o, c + math.prod(local_shape(prm, whole, 0, 0, 0, True)))
+    return out
+
+
 def evaluate_pp_cp(spec: JobSpec, par: Parallel, micro_batch: int, elem: int, mixed: bool,
                    checkpointing: str, fused: bool) -> dict[str, int]:
     """The worst pipeline rank's bytes (params, grads, optimizer, gathered, activations; no
@@ -240,23 +261,17 @@ def rank_bytes(spec: JobSpec, par: Parallel, rank: int, micro_batch: int, elem: 
     # FSDP within the stage; cp folded into the shard group (torchtitan's dp_shard_cp mesh).
     shard = par.model_copy(update={"dp_shard": max(1, par.dp_shard) * cp, "pp": 1, "cp": 1})
     raf = par.reshard_after_forward and not (p > 1 and par.pp_schedule in V_SCHEDULES)
-    whole = Parallel(dp_shard=1, tp=par.tp, ep=1, replicate=True)
     layers, emb, head = (rank_layers(ms.n_layers, p, v, par.pp_schedule, rank) if p > 1
                          else (list(range(ms.n_layers)), True, True))
-    mine = {f"layers.{i}" for i in layers}
-    params = opt = 0
+    table = _unit_table(ms, shard.dp_shard, par.tp, par.ep, shard.replicate, t.optimizer == "muon")
+    keys = [f"layers.{i}" for i in layers] + (["root:emb"] if emb else []) + (["root:head"] if head else [])
+    params = sum(table[k][0] for k in keys if k in table)
+    opt = sum(table[k][1] for k in keys if k in table)
     units: dict[str, int] = {}
-    for prm in param_shapes(ms):
-        if prm.unit == "root":
-            is_emb = prm.name.startswith(("tok_embeddings", "pos_embeddings"))
-            if not ((emb and is_emb) or (head and not is_emb)):
-                continue
-        elif prm.unit not in mine:
-            continue
-        n = math.prod(local_shape(prm, shard, 0, 0, 0, True))
-        params += 4 * n
-        opt += 4 * n if (t.optimizer == "muon" and prm.matrix) else 8 * n
-        units[prm.unit] = units.get(prm.unit, 0) + math.prod(local_shape(prm, whole, 0, 0, 0, True))
+    for k in keys:
+        if k in table:
+            u = "root" if k.startswith("root") else k
+            units[u] = units.get(u, 0) + table[k][2]
     total_local = sum(units.values())
     biggest = max([u for k, u in units.items() if k != "root"] or [0])
     if shard.dp_shard == 1 or shard.replicate:
