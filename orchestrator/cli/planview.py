@@ -259,8 +259,9 @@ def print_plan(spec: JobSpec, plan: Plan, report: dict[str, Any] | None = None, 
                       f"× MFU {b['mfu']:.2f})")
         if b.get("pipeline") and b["hours_source"] != "budget.hours":
             pp = b["pipeline"]
+            floor = b.get("step_floor_seconds") and b["step_seconds"] <= b["step_floor_seconds"]
             con.print(f"  pipeline bubble: {pp['bubble']:.1%} ({pp['schedule']}, {pp['microbatches']} microbatches, "
-                      f"pp {pp['pp']}; in the compute above)")
+                      f"pp {pp['pp']}; {'under the per-step floor' if floor else 'in the compute above'})")
         if b["hours_source"] != "budget.hours":
             su = b.get("startup") or {}
             con.print(f"  start-up       {fmt_hours(b['startup_hours'])}  (per start: provisioning "

@@ -39,7 +39,6 @@ checkpointing too. When no rung fits, ``plan/suggest.py`` says what would.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +49,9 @@ from orchestrator.plan.memory import (
     FIXED_OVERHEAD_BYTES, GB, HEADROOM, PREFETCHED_BLOCKS, Device, activation_bytes, local_shape, param_shapes,
     state_bytes_per_rank,
 )
-from orchestrator.plan.pipeline import evaluate_pp_cp, microbatch_problem, pipeline_info, static_problem
+from orchestrator.plan.pipeline import (
+    evaluate_pp_cp, job_check_refusal, microbatch_problem, pipeline_info, static_problem,
+)
 from orchestrator.plan.spec import JobSpec, Parallel
 from orchestrator.plan.suggest import suggest_fit
 
@@ -202,19 +203,7 @@ def candidate_rungs(spec: JobSpec, n: int, gpus_per_node: int) -> list[tuple[str
 
 def cp_supported() -> str:
     """Empty when the job check accepts ``cp > 1`` (the bundled trainer runs it), else its reason."""
-    return _cp_probe()
-
-
-@functools.lru_cache(maxsize=1)
-def _cp_probe() -> str:
-    try:
-        JobSpec.model_validate({"name": "cp-probe", "resources": {"providers": ["local"], "gpu": "cpu",
-                                                                  "gpus_per_node": 2},
-                                "trainer": {"model": "tiny", "parallel": {"cp": 2}, "steps": 1,
-                                            "batch_size": 2, "seq_len": 128}})
-    except ValueError as e:
-        return str(e).split("\n")[-1].strip() or "cp is refused by the job check"
-    return ""
+    return job_check_refusal(cp=2)
 
 
 def _cp_rungs(spec: JobSpec, n: int, gpn: int) -> list[tuple[str, Parallel, str]]:
@@ -469,7 +458,8 @@ def strategy_name(par: Parallel, n: int) -> str:
     if n == 1:
         return "single"
     if par.pp > 1:
-        return f"pp{par.pp}+" + strategy_name(par.model_copy(update={"pp": 1}), max(2, n // par.pp))
+        inner = strategy_name(par.model_copy(update={"pp": 1}), n // par.pp) if n > par.pp else "single"
+        return f"pp{par.pp}" + ("" if inner == "single" else f"+{inner}")
     if par.cp > 1:
         return strategy_name(par.model_copy(update={"cp": 1}), max(2, n)) + f"+cp{par.cp}"
     if par.replicate and par.tp == 1 and par.ep == 1:

@@ -119,6 +119,24 @@ def rank_layers(L: int, p: int, v: int, schedule: str, rank: int) -> tuple[list[
     return layers, 0 in stages, p * v - 1 in stages
 
 
+@functools.lru_cache(maxsize=8)
+def job_check_refusal(**degrees: int) -> str:
+    """Empty when the job check (``plan/spec.py``, which mirrors the bundled trainer's refusals)
+    accepts these degrees on a small CPU job, else its message: the PP/CP rungs follow what the
+    trainer runs (cp, pp × cp) without a second list of what is supported."""
+    n = max(1, degrees.get("pp", 1)) * max(1, degrees.get("cp", 1))
+    try:
+        JobSpec.model_validate({"name": "degree-probe", "resources": {"providers": ["local"], "gpu": "cpu",
+                                                                      "gpus_per_node": n},
+                                "trainer": {"model": "tiny", "parallel": {"dp_shard": 1, **degrees}, "steps": 1,
+                                            "batch_size": 8, "seq_len": 128}})
+    except ValueError as e:
+        errs = e.errors() if hasattr(e, "errors") else [{"msg": str(e)}]
+        msg = str(errs[0].get("msg", "")).removeprefix("Value error, ") if errs else ""
+        return msg or f"trainer.parallel {degrees} is refused by the job check"
+    return ""
+
+
 def static_problem(spec: JobSpec, par: Parallel) -> str | None:
     """Why a PP/CP layout cannot run whatever the micro-batch (trainer/pipeline.pp_config's
     refusals, the field named), else None."""
@@ -131,8 +149,8 @@ def static_problem(spec: JobSpec, par: Parallel) -> str | None:
                 f"tp ({par.tp}) (sequence parallel)")
     if par.pp <= 1:
         return None
-    if par.cp > 1:
-        return "trainer.parallel: pp > 1 with cp > 1 is not supported by the bundled trainer"
+    if par.cp > 1 and job_check_refusal(pp=2, cp=2):
+        return job_check_refusal(pp=2, cp=2)
     v, name = stages_per_rank(par), par.pp_schedule
     if name in V_SCHEDULES and v != 2:
         return f"trainer.parallel.pp_stages_per_rank ({v}): {name} holds exactly 2 stages per rank"

@@ -246,3 +246,22 @@ def test_dry_run_prices_and_shows_the_bubble(tmp_path, capsys):
     main(["up", str(f), "--dry-run"])
     out = capsys.readouterr().out
     assert f"pipeline bubble: {pipe['bubble']:.1%} (1f1b, {pipe['microbatches']} microbatches, pp 2" in out
+
+
+def test_pinned_pp_dry_run_on_cpu_names_the_layout_and_its_bubble(tmp_path, capsys):
+    """Pinned interleaved-1f1b at pp 2 on two CPU ranks: 4 microbatches (batch 8 / micro-batch 2),
+    v 2: bubble 1/9; a model this small is bound by the per-step floor, and the line says so."""
+    import yaml
+
+    job = {"name": "tinypp", "resources": {"providers": ["local"], "gpu": "cpu", "gpus_per_node": 2},
+           "trainer": {"model": {"vocab_size": 256, "d_model": 32, "n_layers": 4, "n_heads": 4, "max_seq_len": 64,
+                                 "tie_embeddings": False},
+                       "parallel": {"pp": 2, "dp_shard": 1, "pp_schedule": "interleaved-1f1b"},
+                       "steps": 10, "batch_size": 8, "micro_batch_size": 2, "seq_len": 32},
+           "checkpoint": {"uri": str(tmp_path / "run")}}
+    f = tmp_path / "job.yaml"
+    f.write_text(yaml.safe_dump(job))
+    main(["up", str(f), "--dry-run"])
+    out = capsys.readouterr().out
+    assert "pipeline bubble: 11.1% (interleaved-1f1b, 4 microbatches, pp 2; under the per-step floor)" in out
+    assert "your trainer.parallel (pp2)" in out
