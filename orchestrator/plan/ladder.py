@@ -261,9 +261,10 @@ def planned_micro_batch(spec: JobSpec, par: Parallel) -> int:
     if t.micro_batch_size:
         return t.micro_batch_size
     if par.pp > 1:
-        # Pipelined: one sequence per microbatch — the most microbatches (the smallest bubble) and
-        # the least activation memory per microbatch held (torchtitan's default microbatch size).
-        return 1
+        # Auto's PP rungs: one sequence per microbatch — the most microbatches (the smallest bubble)
+        # and the least activation memory held (resolve_parallel writes it). Written degrees run
+        # the trainer's own default, batch / dp (then pp_microbatches splits it).
+        return 1 if t.parallel == "auto" else max(1, t.batch_size // dp_degree(par))
     dp = dp_degree(par)
     per_dp = max(1, t.batch_size // dp)
     want = max(1, t.batch_size // (dp * par.tp))

@@ -265,3 +265,20 @@ def test_pinned_pp_dry_run_on_cpu_names_the_layout_and_its_bubble(tmp_path, caps
     out = capsys.readouterr().out
     assert "pipeline bubble: 11.1% (interleaved-1f1b, 4 microbatches, pp 2; under the per-step floor)" in out
     assert "your trainer.parallel (pp2)" in out
+
+
+def test_written_pp_without_micro_batch_runs_the_trainers_default():
+    """pp written without micro_batch_size: the trainer's micro-batch is batch / dp (one
+    accumulation step), so m = 1 unless pp_microbatches splits it — the dry run says so, and
+    pp_microbatches 8 makes the same job plannable (8 microbatches of 8 / 8 = 1 sequence)."""
+    base = {"pp": 2, "dp_shard": 8}
+    spec = parse_spec(data(optimizer="muon", batch_size=64, activation_checkpointing="full", parallel=base))
+    _, why = planner.fit_check(spec)
+    assert why is not None and "pp_microbatches (1) < 2" in why
+    ok = parse_spec(data(optimizer="muon", batch_size=64, activation_checkpointing="full",
+                         parallel={**base, "pp_microbatches": 8}))
+    rung = planner.evaluate_spec_parallel(ok)
+    assert not rung.note and rung.strategy == "pp2+fsdp-zero3"
+    from orchestrator.plan.hours import pipeline_for
+    assert pipeline_for(ok, "H100", 8, 2)["microbatches"] == 8
+    assert pipeline_for(ok, "H100", 8, 2)["microbatch_rows"] == 1
