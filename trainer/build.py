@@ -104,9 +104,6 @@ def check_job(spec: Any, world: int, rank: int) -> tuple[Any, int]:
 def _check_cp(dims: Any, seq_len: int) -> None:
     """Context parallelism's refusals (trainer/context.py), before any process group."""
     cp = dims.cp
-    if dims.pp > 1:
-        raise ConfigError(f"trainer.parallel: cp ({cp}) > 1 with pp ({dims.pp}) > 1 is not supported by the "
-                          "bundled trainer; use one of them")
     if dims.ep > 1:
         raise ConfigError(f"trainer.parallel: cp ({cp}) > 1 with ep ({dims.ep}) > 1 is not supported by the "
                           "bundled trainer; use one of them")

@@ -10,7 +10,7 @@
   ``dp_shard = dp_rep × ep``. With pp or cp > 1 (and only then: the meshes above are unchanged),
   the 5-D world mesh ``(pp, dp_replicate, dp_shard, cp, tp)`` with ``Meshes.pp``/``Meshes.cp``
   and cp folded into the FSDP/gradient mesh (``dp_shard_cp``, torchtitan's), see :func:`_nd_meshes`
-  (cp's attention and sequence split: ``trainer/context.py``; pp with cp is refused).
+  (cp's attention and sequence split: ``trainer/context.py``).
 
 The parallelize steps that use these meshes (TP plan, EP, FSDP2) are in ``trainer/parallel.py``.
 """
@@ -137,9 +137,6 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
 
     if dims.world_size == 1 and not dist.is_initialized():
         return Meshes(None, None, None, None)  # one process, no process group (python -m trainer)
-    if dims.pp > 1 and dims.cp > 1:  # the mesh exists (_nd_meshes), the trainer does not run it
-        raise ConfigError(f"trainer.parallel: cp ({dims.cp}) > 1 with pp ({dims.pp}) > 1 is not supported by "
-                          "the bundled trainer; use one of them")
     if dims.pp > 1 or dims.cp > 1:
         return _nd_meshes(dims, device_type)
     if dims.replicate or dims.dp_replicate > 1:

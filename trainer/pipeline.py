@@ -198,7 +198,8 @@ def build(spec: Any, dims: Any, meshes: Any, cfg: PPConfig, *, device: torch.dev
     # no FSDP: trainer.parallel.amp_context) keeps the residual stream fp32, the head's logits not.
     logits_dt = param_dtype or torch.float32
     act = logits_dt if meshes.fsdp is not None else torch.float32
-    seq = t.seq_len // dims.tp  # sequence parallel between blocks under TP
+    tokens = t.seq_len // dims.cp  # context parallelism: each rank's slice of the sequence
+    seq = tokens // dims.tp  # sequence parallel between blocks under TP
     d, V = t.model_spec.d_model, t.model_spec.vocab_size
     group = meshes.pp.get_group()
     stages = []
@@ -206,8 +207,8 @@ def build(spec: Any, dims: Any, meshes: Any, cfg: PPConfig, *, device: torch.dev
         def meta(*shape: int, dtype: torch.dtype = act, grad: bool = True) -> torch.Tensor:
             return torch.empty(*shape, dtype=dtype, device="meta").requires_grad_(grad)
 
-        x = meta(cfg.rows, t.seq_len, dtype=torch.long, grad=False) if s == 0 else meta(cfg.rows, seq, d)
-        y = meta(cfg.rows, t.seq_len, V, dtype=logits_dt) if s == cfg.n_stages - 1 else meta(cfg.rows, seq, d)
+        x = meta(cfg.rows, tokens, dtype=torch.long, grad=False) if s == 0 else meta(cfg.rows, seq, d)
+        y = meta(cfg.rows, tokens, V, dtype=logits_dt) if s == cfg.n_stages - 1 else meta(cfg.rows, seq, d)
         stages.append(pipelining.PipelineStage(part, s, cfg.n_stages, device, input_args=(x,), output_args=(y,),
                                                group=group))
     return model, Pipeline(cfg, stages, group, meshes)
@@ -229,6 +230,7 @@ class Pipeline:
         arg = stages if cfg.v > 1 or cfg.schedule in ("interleaved-1f1b", "zbv", "dualpipev") else stages[0]
         self.schedule = cls(arg, n_microbatches=cfg.microbatches, loss_fn=self._loss, scale_grads=False)
         self.stage_group = _stage_group(meshes)
+        self.cp = getattr(stages[0].submod, "cp", None)  # trainer/context.py: this rank's sequence slice
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         from trainer.model import loss_fn
@@ -244,6 +246,8 @@ class Pipeline:
 
         xs, ys = zip(*batches)
         x, y = torch.cat(xs), torch.cat(ys)
+        if self.cp is not None:  # the tokens and labels of every microbatch, sliced alike (head-tail)
+            x, y = self.cp.shard(x), self.cp.shard(y)
         self._ces, self._scale, self.z_loss = [], scaler.scale_loss, z_loss
         with loss_context(model):
             self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,

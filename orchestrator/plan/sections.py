@@ -112,8 +112,8 @@ class Parallel(_Model):
     count (batch_size / (dp × micro_batch_size)). Fewer than the stages leaves a bubble or hangs."""
     cp: int = Field(1, gt=0)
     """Context-parallel degree: each rank holds seq_len / cp tokens of every sequence (head-tail
-    balanced); keys and values are gathered for attention. seq_len must be divisible by 2·cp; not
-    with pp > 1 or ep > 1 (refused before anything is rented)."""
+    balanced); keys and values are gathered for attention. seq_len must be divisible by 2·cp; composes
+    with dp, tp and pp, not with ep > 1 (refused before anything is rented)."""
 
     @field_validator("dp_shard")
     @classmethod

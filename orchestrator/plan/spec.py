@@ -77,12 +77,11 @@ class JobSpec(_Model):
                     raise ValueError(f"trainer.parallel.cp ({p.cp}): trainer.seq_len ({t.seq_len}) must be "
                                      f"divisible by 2 × cp = {2 * p.cp} (head-tail balanced sequence shards)")
                 n //= p.pp * p.cp  # the rest of the checks are per pipeline stage and context group
-                # pp (trainer/pipeline.py) and cp (trainer/context.py) run, but not together nor cp
-                # with ep: refused here, before anything is rented (the trainer refuses them too,
+                # pp (trainer/pipeline.py) and cp (trainer/context.py) run, also together; cp with ep
+                # does not: refused here, before anything is rented (the trainer refuses it too,
                 # exit 2) — a dry run must not quote a layout the node would reject.
-                if p.cp > 1 and (p.pp > 1 or p.ep > 1):
-                    other = f"pp ({p.pp})" if p.pp > 1 else f"ep ({p.ep})"
-                    raise ValueError(f"trainer.parallel: cp ({p.cp}) > 1 with {other} > 1 is not supported by the "
+                if p.cp > 1 and p.ep > 1:
+                    raise ValueError(f"trainer.parallel: cp ({p.cp}) > 1 with ep ({p.ep}) > 1 is not supported by the "
                                      "bundled trainer; use one of them")
             if n % p.tp:
                 raise ValueError(f"trainer.parallel.tp ({p.tp}) must divide the job's GPUs "

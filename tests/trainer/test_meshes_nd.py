@@ -1,7 +1,7 @@
 """The 5-D mesh ``(pp, dp_replicate, dp_shard, cp, tp)`` of ``build_meshes`` (trainer/parallel_dims.py)
 under real torchrun/gloo on 4 ranks: each view's process group holds the ranks the rank maths
 (``ParallelDims.dp_rank``/``cp_rank``/``pp_rank``) says, cp is folded into the FSDP mesh, and a
-pp = cp = 1 job keeps the meshes it had before; pp with cp is refused by ``build_meshes``."""
+pp = cp = 1 job keeps the meshes it had before; ep with cp is refused by ``build_meshes``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ _SCRIPT = '''
 import os, sys
 import torch.distributed as dist
 from trainer.errors import ConfigError
-from trainer.parallel_dims import ParallelDims, build_meshes, _nd_meshes
+from trainer.parallel_dims import ParallelDims, build_meshes
 dist.init_process_group("gloo")
 r = dist.get_rank()
 def ranks(m):
@@ -27,14 +27,14 @@ CASES = {"pp2dp2": dict(dp_shard=2, pp=2), "pp2tp2": dict(dp_shard=1, tp=2, pp=2
 out = {}
 for name, kw in CASES.items():
     d = ParallelDims(**{"tp": 1, "ep": 1, "world_size": 4, **kw})
-    m = (_nd_meshes if d.pp > 1 and d.cp > 1 else build_meshes)(d, "cpu")  # pp × cp: refused by build_meshes
+    m = build_meshes(d, "cpu")
     out[name] = {"names": m.dense.mesh_dim_names, "pp": ranks(m.pp), "cp": ranks(m.cp), "tp": ranks(m.tp),
                  "fsdp": None if m.fsdp is None else (m.fsdp.mesh_dim_names, m.fsdp.mesh.tolist()),
                  "dp_rank": d.dp_rank(r), "cp_rank": d.cp_rank(r), "pp_rank": d.pp_rank(r)}
 m = build_meshes(ParallelDims(2, 2, 1, 4), "cpu")
 out["dp2tp2"] = {"names": m.dense.mesh_dim_names, "pp": m.pp, "cp": m.cp, "fsdp": m.fsdp.mesh_dim_names}
 try:
-    build_meshes(ParallelDims(1, 1, 1, 4, pp=2, cp=2), "cpu")
+    build_meshes(ParallelDims(2, 1, 2, 4, cp=2), "cpu")
 except ConfigError as e:
     out["cp_refused"] = str(e)
 # One file per rank: four ranks printing long lines to one pipe interleave them (seen here).
@@ -67,5 +67,5 @@ def test_nd_mesh_groups_follow_the_rank_maths(tmp_path):
         assert out["rep2cp2"]["fsdp"] == (("dp_replicate", "dp_shard_cp"), [[0, 1], [2, 3]])
         # pp = cp = 1: the meshes of before, no 5-D mesh.
         assert out["dp2tp2"] == {"names": ("dp_shard", "tp"), "pp": None, "cp": None, "fsdp": ("dp_shard",)}
-        # pp × cp: the mesh exists (above), the trainer does not run it.
-        assert "cp (2) > 1 with pp (2) > 1 is not supported" in out["cp_refused"]
+        # ep has no place in the 5-D mesh: refused.
+        assert "ep (2) > 1 with pp (1) or cp (2) > 1 is not supported" in out["cp_refused"]

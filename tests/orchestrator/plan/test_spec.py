@@ -139,8 +139,7 @@ def test_schema_has_field_docs():
     assert schema["additionalProperties"] is False
 
 
-@pytest.mark.parametrize("degrees, why", [({"cp": 2, "pp": 2}, "cp (2) > 1 with pp (2) > 1 is not supported"),
-                                          ({"cp": 2, "ep": 2}, "cp (2) > 1 with ep (2) > 1 is not supported"),
+@pytest.mark.parametrize("degrees, why", [({"cp": 2, "ep": 2}, "cp (2) > 1 with ep (2) > 1 is not supported"),
                                           ({"pp": 3}, "pp (3) × cp (1) must divide the job's GPUs"),
                                           ({"cp": 3}, "pp (1) × cp (3) must divide the job's GPUs")])
 def test_pipeline_and_context_degrees_are_refused_before_anything_is_rented(degrees, why):
@@ -157,6 +156,9 @@ def test_context_degree_is_accepted_now_the_trainer_runs_it():
     raw["trainer"]["parallel"] = {"cp": 2}
     raw["trainer"]["seq_len"] = 1024
     assert JobSpec.model_validate(raw).trainer.parallel.cp == 2
+    raw["trainer"]["parallel"] = {"cp": 2, "pp": 2}  # pp × cp composes (trainer/pipeline.py)
+    assert JobSpec.model_validate(raw).trainer.parallel.pp == 2
+    raw["trainer"]["parallel"] = {"cp": 2}
     raw["trainer"]["seq_len"] = 1022  # not divisible by 2 × cp
     with pytest.raises(Exception) as e:
         JobSpec.model_validate(raw)
