@@ -66,10 +66,16 @@ def _rope(x: torch.Tensor, base: float = 10000.0, cp: Any = None) -> torch.Tenso
     half = D // 2
     if cp is None:
         cos, sin = _rope_table(T, half, base, x.device, x.dtype)
-    else:
-        cos, sin = _rope_table(T * cp.size, half, base, x.device, x.dtype)
-        pos = cp.positions(T, x.device)
-        cos, sin = cos[:, pos], sin[:, pos]
+    else:  # this rank's rows of the whole sequence's table, built once per shape
+        key = ("cp", cp.size, cp.rank, T, half, base, x.device, x.dtype)
+        hit = None if torch.compiler.is_compiling() else _ROPE_CACHE.get(key)
+        if hit is None:
+            cos, sin = _rope_table(T * cp.size, half, base, x.device, x.dtype)
+            pos = cp.positions(T, x.device)
+            hit = (cos[:, pos], sin[:, pos])
+            if not torch.compiler.is_compiling():
+                _ROPE_CACHE[key] = hit
+        cos, sin = hit
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
