@@ -79,6 +79,7 @@ class Replica:
         for jid in list(self.controllers):
             if jid not in self.owned:  # lost the lease: drop the controller, touch nothing more
                 del self.controllers[jid]
+                self.team_of.pop(jid, None)
         self.team_cap(now)
         renewed_at = now
         for jid, epoch in list(self.owned.items()):
@@ -121,10 +122,12 @@ class Replica:
         except leases.LeaseLost:
             self.owned.pop(jid, None)
             self.controllers.pop(jid, None)
+            self.team_of.pop(jid, None)
             return
         if state in TERMINAL_STATES:
             self.owned.pop(jid, None)
             self.controllers.pop(jid, None)
+            self.team_of.pop(jid, None)
 
     def _team_storage(self, team_id: int) -> Callable[[Any, str], tuple[dict[str, str], dict[str, str]]]:
         """The launcher's ``storage`` for one team's job: its team's secrets, read at each launch."""
