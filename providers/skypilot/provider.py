@@ -37,6 +37,8 @@ from providers.skypilot.errors import is_named, map_sky_error
 from providers.skypilot.task import EXIT_RE, build_task_config
 
 DEFAULT_IDLE_MINUTES = 3
+SSH_UNREACHABLE = 255
+"""ssh's exit status when it cannot reach the node (what SkyPilot's CommandError then carries)."""
 SAVED_LOG_LINES = 500
 SAVED_LOG_CHARS = 200_000
 """How much of a job log :meth:`SkyPilotProvider.terminate` keeps for ``dtrun logs`` after the cluster is gone."""
@@ -184,6 +186,13 @@ class SkyPilotProvider(Provider):
         except Exception as e:
             if is_named(e, "ClusterDoesNotExist") or is_named(e, "ClusterNotUpError"):
                 return self._gone_state(memo)
+            if is_named(e, "CommandError") and getattr(e, "returncode", None) == SSH_UNREACHABLE:
+                # The cluster is UP to SkyPilot but its node does not answer SSH. On RunPod an
+                # interruptible pod taken back is EXITED, which 0.14.1's status query cannot map
+                # (KeyError): the refresh fails and keeps the record UP (seen on the RunPod lab).
+                # Failing every poll would hide the attempt from the heartbeat check forever;
+                # RUNNING (the last state known) lets the heartbeat bound end it.
+                return NodeState.RUNNING
             raise map_sky_error(e, self.cloud) from None
         mine = [j for j in jobs if job_id is None or j.job_id == job_id]
         if not mine:
