@@ -39,7 +39,9 @@ REPO = Path(__file__).resolve().parents[4]
 REAL_CATALOG = REPO / "tests" / "fakes" / "data" / "skypilot_catalogs" / "v8"
 REGIONS = ("US",)
 SPOT_FRACTION = 0.6
-RUNPOD_REQS = ["runpod==1.10.1"]
+# One resolve of what the RunPod node installs (SkyPilot's wheel as [runpod, remote], beside the
+# runtime's pins): runpod alone resolves pycares 5, which skypilot[runpod] 0.14.1 refuses (<5).
+RUNPOD_REQS = [r.replace(runtime.SKY, "skypilot[runpod,remote]==0.14.1") for r in runtime.RUNTIME_REQS] + ["runpod==1.10.1"]
 RUNPOD_WHEELS = runtime.CACHE / "runpod" / "wheelhouse"
 
 
@@ -70,6 +72,10 @@ def runpod_wheels(log=print) -> None:
     shutil.rmtree(RUNPOD_WHEELS, ignore_errors=True)
     RUNPOD_WHEELS.mkdir(parents=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(RUNPOD_WHEELS), *RUNPOD_REQS], check=True)
+    for sdist in list(RUNPOD_WHEELS.glob("*.tar.gz")) + list(RUNPOD_WHEELS.glob("*.zip")):  # gpustat: an sdist only
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(RUNPOD_WHEELS), str(sdist)],
+                       check=True)
+        sdist.unlink()
     stamp.write_text(json.dumps(RUNPOD_REQS))
     log(f"runpod wheels in {time.monotonic() - t0:.1f} s at {RUNPOD_WHEELS}")
 

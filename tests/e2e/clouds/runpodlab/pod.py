@@ -6,8 +6,10 @@ What a pod is here, against what RunPod hands out:
   overlay (upper on a tmpfs that dies with the pod), entered with ``chroot``: whatever
   ``imageName`` says, every pod gets the same "image". Its contents: Debian 12 with
   openssh-server, rsync, curl, patch and sudo already installed (so SkyPilot's init's
-  ``apt install`` writes nothing; ``/usr`` is a read-only overlay of the runtime cache's torch
-  layer over the host's), and ``/root`` a clean per-pod layer holding ``.bashrc``/``.profile``
+  ``apt install`` writes nothing), ``/usr`` a per-pod writable overlay of ``python``/``pip``
+  links (the PyTorch image has both on PATH) and the runtime cache's torch layer over the host's
+  (Debian's python3 plays the image's python; ``PIP_BREAK_SYSTEM_PACKAGES=1`` in the image's
+  environment lets its pip install into it, as conda's pip would), and ``/root`` a clean per-pod layer holding ``.bashrc``/``.profile``
   from ``/etc/skel``, ``~/.local/bin/uv`` and a prebuilt ``~/skypilot-runtime`` (SkyPilot 0.14.1
   would download CPython when it is missing: the nodes have no internet). ``/home``, the
   repository and the lab's own directory (its HOME and keys) are hidden (empty tmpfs).
@@ -79,7 +81,8 @@ mount -t tmpfs -o size=8g,mode=755 dtrp-upper "$B"
 mkdir -p "$B/u" "$B/w" "$B/ru" "$B/rw" "$B/new"
 R="$B/new"
 mount -t overlay overlay -o "lowerdir=/,upperdir=$B/u,workdir=$B/w" "$R"
-mount -t overlay overlay -o "ro,lowerdir=$CACHE/usr:/usr" "$R/usr"
+mkdir -p "$B/uu" "$B/uw"
+mount -t overlay overlay -o "lowerdir=$IMAGE_USR:$CACHE/usr:/usr,upperdir=$B/uu,workdir=$B/uw" "$R/usr"
 mount -t overlay overlay -o "lowerdir=$ROOT_LAYER,upperdir=$B/ru,workdir=$B/rw" "$R/root"
 chmod 700 "$R/root"
 mount -t proc proc "$R/proc"
@@ -105,6 +108,16 @@ rm -rf "$R/var/lib/apt/lists/"*   # the image ships no package lists (its packag
 printf 'Acquire::Retries "0";\n' > "$E/apt/apt.conf.d/99dtrp-offline"
 exec chroot "$R" "$@"
 """
+
+
+def image_usr(lab_dir: Path) -> Path:
+    """The top /usr layer of the "image": ``python`` and ``pip`` on PATH, as the PyTorch image has them."""
+    layer = lab_dir / "image-usr"
+    if not (layer / "local" / "bin" / "python").exists():
+        (layer / "local" / "bin").mkdir(parents=True, exist_ok=True)
+        os.symlink("/usr/bin/python3", layer / "local" / "bin" / "python")
+        os.symlink("/usr/bin/pip3", layer / "local" / "bin" / "pip")
+    return layer
 
 
 def root_layer(lab_dir: Path) -> Path:
@@ -135,8 +148,9 @@ def up(lab_dir: Path, n: int, pod_id: str, docker_args: str, env: dict[str, str]
     pod_dir.mkdir(parents=True, exist_ok=True)
     hide = " ".join(shlex.quote(str(p)) for p in {REPO.parent if REPO.parent != Path("/") else REPO, lab_dir.parent if lab_dir.parent != Path("/") else lab_dir})
     init_env = {"PATH": PATH, "POD_HOST": pod_id, "POD_IP": ip, "POD_DIR": str(pod_dir),
-                "ROOT_LAYER": str(root_layer(lab_dir)), "CACHE": str(runtime.CACHE), "HIDE": hide}
-    pod_env = {"HOME": "/root", "PATH": PATH, "LANG": "C.UTF-8", "HOSTNAME": pod_id, **env}
+                "ROOT_LAYER": str(root_layer(lab_dir)), "IMAGE_USR": str(image_usr(lab_dir)), "CACHE": str(runtime.CACHE), "HIDE": hide}
+    pod_env = {"HOME": "/root", "PATH": PATH, "LANG": "C.UTF-8", "HOSTNAME": pod_id,
+               "PIP_BREAK_SYSTEM_PACKAGES": "1", **env}  # the image's pip installs into its python
     argv = ["/usr/bin/tini", "-s", "--", "/usr/bin/env", "-i",
             *[f"{k}={v}" for k, v in pod_env.items()], *shlex.split(docker_args or "sleep infinity")]
     with open(log_path, "ab") as log:
