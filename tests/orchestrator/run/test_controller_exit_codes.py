@@ -92,7 +92,14 @@ def test_other_exits_from_the_node_record_keep_their_meaning(tmp_path, dtrun_hom
 @pytest.mark.slow  # real torchrun, the real trainer, the local provider
 @pytest.mark.timeout(300)
 def test_the_real_trainer_rejecting_its_data_on_a_local_node_fails_once_in_its_own_words(dtrun_home, tmp_path):
-    from test_e2e_local_torchrun import job, run
+    import importlib.util  # the helpers live beside the CLI tests; by path, so this folder runs on its own
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "cli" / "test_e2e_local_torchrun.py"
+    spec = importlib.util.spec_from_file_location("cli_e2e_local_torchrun", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    job, run = mod.job, mod.run
 
     (tmp_path / "shards").mkdir()  # a data folder without a token shard: the trainer says so, exit 2
     d = job(f"file://{tmp_path}/run", "nodata", steps=20)
