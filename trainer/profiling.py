@@ -5,8 +5,9 @@ Run under torchrun like the trainer (``dtrun profile JOB`` does it)::
     torchrun --standalone --nproc-per-node N -m trainer.profiling --job JOB.yaml --run-uri URI \
         --profile-steps 10 --result breakdown.json
 
-It builds the job exactly as the trainer does (``trainer.model`` / ``trainer.parallel`` /
-``trainer.optim`` / ``trainer.data``), runs one un-profiled warm-up step, then ``--profile-steps``
+It builds the job exactly as the trainer does (``trainer.build.check_job`` and ``build_parts``:
+the model or, at ``pp > 1``, this rank's pipeline stages and their schedule; ``cp`` slices every
+sequence), runs one un-profiled warm-up step, then ``--profile-steps``
 steps under ``torch.profiler`` with one checkpoint save in the middle (the trainer's
 ``CheckpointManager``, to a scratch folder that is deleted afterwards), and splits rank 0's wall
 time into:
@@ -23,6 +24,9 @@ On GPU the split is of host wall time with a device synchronise at the end of ev
 time is in compute unless a collective blocks). Traces (Chrome JSON, one per rank) and the
 breakdown go to ``<run-uri>/profile/``. MFU = achieved FLOP/s (``ModelSpec.flops_per_token``) over
 the ranks' peak (the GPU's data-sheet bf16 peak; on CPU, ``orchestrator.contract.gpus``' nominal CPU figure).
+
+At ``pp > 1`` the result also holds ``pipeline_bubble``: the bubble measured after the profiled
+steps next to the planner's formula (:mod:`trainer.profile_bubble`); ``None`` at ``pp = 1``.
 """
 
 from __future__ import annotations
@@ -127,14 +131,12 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
 
     from orchestrator.contract.gpus import GPUS
     from orchestrator.plan.spec import load_spec
-    from trainer.checkpoint import CheckpointManager
-    from trainer.data import DataLoader, build_source
-    from trainer.distenv import collective_timeout, init_distributed, select_device
+    from trainer.build import build_parts, check_job
+    from trainer.distenv import init_distributed, select_device
     from trainer.metrics import peak_flops
-    from trainer.model import add_aux, build_model, local_value, loss_context, loss_fn
-    from trainer.optim import build_optimizer, lr_at
-    from trainer.parallel import (ParallelDims, amp_context, build_meshes, clip_grad_norm_, finish_expert_grads,
-                                  parallelize)
+    from trainer.model import add_aux, local_value, loss_context, loss_fn
+    from trainer.optim import lr_at
+    from trainer.parallel import amp_context, clip_grad_norm_, finish_expert_grads
 
     spec = load_spec(job)
     uri = run_uri or spec.run_uri
@@ -143,66 +145,63 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dims = ParallelDims.from_spec(spec, world)
-    dims.validate(ms)
-    mb = t.micro_batch_size or t.batch_size // dims.dp
+    dims, _mb = check_job(spec, world, rank)  # the trainer's refusals, before any process group
     device = select_device(spec, local_rank)  # GPU asked, CUDA unusable: ConfigError, never CPU
     use_cuda = device.type == "cuda"
     if world > 1 and not dist.is_initialized():
         init_distributed(spec, device)
     try:
-        torch.manual_seed(t.seed + rank)
-        param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision) if use_cuda else None
-        meshes = build_meshes(dims, device.type)
-        model = build_model(ms, device="meta")
-        raf = t.parallel.reshard_after_forward if t.parallel != "auto" else True
-        parallelize(model, dims, meshes, device=device, activation_checkpointing=t.activation_checkpointing,
-                    compile=t.compile and use_cuda, fp8=t.fp8, param_dtype=param_dtype, reshard_after_forward=raf)
-        model.to_empty(device=device)
-        if ms.tie_embeddings and model.head.weight is not model.tok_emb.weight:
-            model.head.weight = model.tok_emb.weight
-        model.init_weights(t.seed)
-        model.train()
-        params = list(model.parameters())
-        optimizer = build_optimizer(model, t, device)
-        dp_rank = dims.dp_rank(rank)
-        loader = DataLoader(build_source(t.data, t.seq_len, ms.vocab_size, t.seed), global_batch=t.batch_size,
-                            micro_batch=mb, dp_rank=dp_rank, dp=dims.dp, device=device)
+        # The trainer's own parts (trainer/build.py: meshes, the model or its pipeline stages,
+        # optimizer, loader), with the checkpoint manager on a scratch folder under the profile.
         scratch = runuri.join(uri, PROFILE_DIR, "scratch-checkpoint")
-        ckpt = CheckpointManager(scratch, keep=2, async_mode=spec.checkpoint.async_mode, rank=rank,
-                                 world_size=world, dp_rank=dp_rank, describe={}, pinned=use_cuda,
-                                 timeout=collective_timeout(spec))
+        if rank == 0:  # a profile killed earlier may have left one: its steps would skip the weight init
+            runuri.remove(scratch, recursive=True)
+        if dist.is_initialized():
+            dist.barrier()
+        parts = build_parts(spec, dims, _mb, device, rank, world, scratch)
+        model, params, optimizer, loader, ckpt = parts.model, parts.params, parts.optimizer, parts.loader, parts.ckpt
+        scaler, meshes, param_dtype, pipe = parts.scaler, parts.meshes, parts.param_dtype, parts.pipe
+        pp_group = pipe.group if pipe is not None else None
+        cp = getattr(model, "cp", None)
 
         def sync() -> None:
             if use_cuda:
                 torch.cuda.synchronize()
 
-        def one_step(step: int, save: bool) -> float:
+        def one_step(step: int, save: bool) -> torch.Tensor:
             lr = lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=steps + 1,
                        min_lr_ratio=t.min_lr_ratio)
             for g in optimizer.param_groups:
                 g["lr"] = lr
             accum = loader.accum_steps
             loss_val = torch.zeros((), device=device)
-            it = iter(loader.batches(step))
-            m_i = 0
+            if pipe is not None:  # the schedule runs every micro-batch's forward and backward
+                with record_function("dtrun/data"):
+                    batches = list(loader.batches(step))
+                with record_function("dtrun/forward_backward"), amp_context(device, param_dtype, meshes):
+                    loss_val = pipe.step(batches, scaler, t.z_loss, model)  # 0 off the last stage
+            it = iter(loader.batches(step)) if pipe is None else iter(())
             while True:
                 with record_function("dtrun/data"):
                     batch = next(it, None)
                 if batch is None:
                     break
                 x, y = batch
-                m_i += 1  # as train.py: every micro-batch reduce-scatters its gradients
+                if cp is not None:  # the tokens and their labels, sliced alike (head-tail)
+                    x, y = cp.shard(x), cp.shard(y)
+                # as train.py: every micro-batch reduce-scatters its gradients
                 with record_function("dtrun/forward_backward"), loss_context(model):
                     with amp_context(device, param_dtype, meshes):
                         loss, ce = loss_fn(model(x), y, t.z_loss)
                         loss = add_aux(loss, model.aux_loss())
-                    (loss / accum).backward()
+                    scaler.scale_loss(loss / accum).backward()
                     loss_val += local_value(ce.detach()) / accum
             with record_function("dtrun/optimizer"):
                 finish_expert_grads(model, dims, meshes)
-                clip_grad_norm_(params, t.grad_clip)
-                optimizer.step()
+                scaler.unscale_(params)
+                gnorm = clip_grad_norm_(params, t.grad_clip, pp_group)
+                if scaler.update(gnorm):
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 sync()
             loader.advance(step)
@@ -211,7 +210,7 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
                     sd = ckpt.state_dict(model, optimizer, loader, {"step": step + 1, "tokens": 0, "loss": 0.0})
                     ckpt.save(step + 1, sd, {"tokens": 0, "loss": 0.0})
                     sync()
-            return float(loss_val)
+            return loss_val
 
         one_step(0, save=False)  # warm-up: allocations, first all-gathers, lazy init
         if dist.is_initialized():
@@ -225,21 +224,34 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
             wall = time.perf_counter() - t0
         ckpt.wait()
         ckpt.close()
+        if pipe is not None:  # the loss lives on the last stage's ranks (0 elsewhere)
+            dist.all_reduce(last_loss)
+            last_loss /= world // dims.pp
+        last_loss = float(last_loss)
+        bubble = None
+        if pipe is not None:
+            from trainer import profile_bubble
+
+            bubble = profile_bubble.measure(parts, spec, dims, device, steps + 1, sync, rounds=steps)
+        loader.close()
 
         trace_uri = runuri.join(uri, PROFILE_DIR, f"trace-rank{rank}.json")
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(path)
             _upload(path, trace_uri)
-        parts = breakdown_from_events(list(prof.events()), wall * 1e6)
+        parts_s = breakdown_from_events(list(prof.events()), wall * 1e6)
         tokens_per_s = t.tokens_per_step * steps / wall
         peak = peak_flops(device.type) or (GPUS["cpu"].peak_bf16_flops if device.type == "cpu" else None)
         mfu = (ms.flops_per_token(t.seq_len) * tokens_per_s / (world * peak)) if peak else None
-        shares = {k: v / parts["wall"] for k, v in parts.items() if k != "wall"} if parts["wall"] else {}
+        shares = {k: v / parts_s["wall"] for k, v in parts_s.items() if k != "wall"} if parts_s["wall"] else {}
+        par = {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate}
+        par.update({k: getattr(dims, k) for k in ("pp", "cp") if getattr(dims, k) > 1})
+        if pipe is not None:
+            par["pp_schedule"] = pipe.cfg.schedule
         result = {
-            "steps": steps, "world_size": world, "device": device.type,
-            "parallel": {"dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep, "replicate": dims.replicate},
-            "seconds": {k: round(v, 4) for k, v in parts.items()},
+            "steps": steps, "world_size": world, "device": device.type, "parallel": par,
+            "seconds": {k: round(v, 4) for k, v in parts_s.items()},
             "shares": {k: round(v, 4) for k, v in shares.items()},
             "step_seconds": round(wall / steps, 4),
             "tokens_per_s": round(tokens_per_s, 1),
@@ -247,6 +259,7 @@ def run(job: str, run_uri: str | None, steps: int) -> dict[str, Any]:
             "peak_flops_per_rank": peak,
             "peak_note": "nominal CPU figure (orchestrator.contract.gpus 'cpu')" if device.type == "cpu" else "data-sheet bf16",
             "loss": last_loss,
+            "pipeline_bubble": bubble,  # None at pp = 1 (trainer/profile_bubble.py)
             "verdict": verdict(mfu, shares),
             "trace_uris": [runuri.join(uri, PROFILE_DIR, f"trace-rank{r}.json") for r in range(world)],
             "breakdown_uri": runuri.join(uri, PROFILE_DIR, "breakdown.json"),

@@ -4,7 +4,9 @@ The job runs as the trainer would run it (``torchrun -m trainer.profiling``, one
 ``resources.gpus_per_node``; ``trainer.parallel: auto`` resolved by the planner first); the
 traces and a breakdown land in ``<run-uri>/profile/`` and the breakdown is printed: compute,
 communication, data loading, checkpoint stall, idle — with tokens/s, MFU and the verdict
-("MFU below 30%: communication- or dataloader-bound; fix before scaling").
+("MFU below 30%: communication- or dataloader-bound; fix before scaling"). A job with
+``trainer.parallel.pp > 1`` also gets ``pipeline bubble: measured X% vs formula Y% (schedule, m
+microbatches, pp N)`` (JSON: ``pipeline_bubble``; trainer/profile_bubble.py says how it is measured).
 
 Scope: it runs *locally* — CPU ranks for ``gpu: cpu`` jobs, or this machine's CUDA GPUs when it
 has them. Profiling on a rented offer (launch through the controller, fetch the trace) is not
@@ -45,8 +47,11 @@ def _render(res: dict[str, Any]) -> str:
     sec, sh = res["seconds"], res["shares"]
     rows = [("compute", "compute"), ("communication", "communication"), ("data loading", "data"),
             ("checkpoint stall", "checkpoint_stall"), ("idle", "idle")]
+    par = res["parallel"]
+    extra = "".join(f", {k} {par[k]}" for k in ("pp", "cp") if k in par)
+    extra += f", pp_schedule {par['pp_schedule']}" if "pp_schedule" in par else ""
     lines = [f"profile: {res['steps']} steps on {res['world_size']} {res['device']} rank(s) "
-             f"(dp_shard {res['parallel']['dp_shard']}, tp {res['parallel']['tp']}, ep {res['parallel']['ep']})"]
+             f"(dp_shard {par['dp_shard']}, tp {par['tp']}, ep {par['ep']}{extra})"]
     for label, key in rows:
         lines.append(f"  {label:<17}{sec[key]:>9.3f} s  {sh.get(key, 0.0):>6.1%}")
     lines.append(f"  {'wall':<17}{sec['wall']:>9.3f} s")
@@ -54,6 +59,10 @@ def _render(res: dict[str, Any]) -> str:
     lines.append(f"  tokens/s {res['tokens_per_s']:,.0f}   step {res['step_seconds'] * 1000:.1f} ms   "
                  f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}"
                  + (f" (vs {res['peak_note']})" if res["device"] == "cpu" else ""))
+    if res.get("pipeline_bubble"):  # pp > 1 (trainer/profile_bubble.py)
+        from trainer.profile_bubble import render
+
+        lines.append("  " + render(res["pipeline_bubble"]))
     lines.append(f"  verdict: {res['verdict']}")
     lines.append(f"  trace: {res['trace_uris'][0]}" + (f" (+{len(res['trace_uris']) - 1} more)"
                                                          if len(res["trace_uris"]) > 1 else ""))

@@ -69,6 +69,7 @@ def test_profile_writes_trace_and_breakdown_to_run_uri(tmp_path, s3_bucket, caps
     assert sum(res["shares"][k] for k in cats) == pytest.approx(1.0, abs=0.02)
     assert res["tokens_per_s"] > 0 and 0 < res["mfu"] < 1
     assert res["verdict"].startswith(VERDICT_LOW) or "compute-bound" in res["verdict"]
+    assert res["pipeline_bubble"] is None  # pp 1
     # Traces (Chrome JSON, one per rank) and the breakdown are in the run URI; scratch removed.
     names = runuri.list_dir(runuri.join(uri, "profile"))
     assert {"trace-rank0.json", "trace-rank1.json", "breakdown.json"} <= set(names)
@@ -86,6 +87,37 @@ def test_profile_table_output(tmp_path, capsys):
     for word in ("compute", "communication", "data loading", "checkpoint stall", "idle", "tokens/s", "MFU",
                  "verdict:"):
         assert word in out
+    assert "pipeline bubble" not in out  # pp 1: no pipeline, no bubble line
+
+
+@pytest.mark.slow
+def test_profile_pp2_reports_measured_bubble_next_to_formula(tmp_path, capsys):
+    """A tiny pp 2 (1f1b, 2 microbatches) job: the stages run through the trainer's pipeline, the
+    JSON holds the measured bubble and the planner's formula (1/3), the table prints both."""
+    from orchestrator.cli.profile import _render
+
+    path = tmp_path / "pp.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "prof-pp2",
+        "resources": {"providers": ["local"], "gpu": "cpu", "gpus_per_node": 2},
+        "trainer": {"model": {"vocab_size": 256, "d_model": 64, "n_layers": 4, "n_heads": 4, "max_seq_len": 64,
+                              "tie_embeddings": False},
+                    "parallel": {"dp_shard": 1, "pp": 2, "pp_schedule": "1f1b"},
+                    "steps": 100, "batch_size": 8, "micro_batch_size": 4, "seq_len": 64, "precision": "fp32"},
+        "checkpoint": {"uri": "file://" + str(tmp_path / "run")},
+    }))
+    rc = main(["profile", str(path), "--steps", "2", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    res = json.loads(out.out)
+    assert res["parallel"]["pp"] == 2 and res["parallel"]["pp_schedule"] == "1f1b"
+    assert res["loss"] > 0  # the last stage's loss, carried to rank 0 (which holds the first stage)
+    b = res["pipeline_bubble"]
+    assert (b["schedule"], b["microbatches"], b["pp"], b["stages_per_rank"]) == ("1f1b", 2, 2, 1)
+    assert b["formula"] == pytest.approx(1 / 3, abs=1e-4)
+    assert 0 < b["measured"] < 1 and len(b["busy_seconds_per_rank"]) == 2
+    line = [ln for ln in _render(res).splitlines() if "pipeline bubble" in ln]
+    assert line == [f"  pipeline bubble: measured {b['measured']:.1%} vs formula 33.3% (1f1b, 2 microbatches, pp 2)"]
 
 
 def test_profile_gpu_job_without_gpus_is_a_clear_error(tmp_path, capsys, monkeypatch):
