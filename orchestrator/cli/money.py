@@ -30,9 +30,13 @@ def cmd_gc(yes: bool, json_out: bool, names: list[str] | None = None, all_: bool
     --yes or after a 'y' at a terminal. Without a terminal and without --yes it only lists (never
     waits for input). Exit 0 when nothing is left billing that we know of (or listing only), 1 when
     a terminate was not confirmed, a provider could not be listed, or a NAME matched no orphan."""
+    from orchestrator.cli import remote
     from orchestrator.run.state import StateStore
     from orchestrator.run.sweep import gc_providers
 
+    if remote.target():  # the server's sweep, scoped to the caller's team; reported here as embedded
+        provs, find, terminate = remote.gc(list(names or []), all_)
+        return _gc(None, provs, yes, json_out, list(names or []), all_, find=find, terminate=terminate)
     store = StateStore()
     provs = gc_providers(store)
     try:
@@ -43,12 +47,20 @@ def cmd_gc(yes: bool, json_out: bool, names: list[str] | None = None, all_: bool
         registry.close_all()  # stop SkyPilot's API server if listing started it
 
 
-def _gc(store: StateStore, provs: list[str], yes: bool, json_out: bool, names: list[str], all_: bool) -> int:
+def _gc(store: StateStore | None, provs: list[str], yes: bool, json_out: bool, names: list[str], all_: bool,
+        find: Any = None, terminate: Any = None) -> int:
+    """The listing, the confirmation, the terminate and the report. ``find()`` → the sweep report
+    and ``terminate(which)`` → the report after terminating what ``which`` picks: this store's
+    sweep by default; ``orchestrator.cli.remote.gc`` gives the server's."""
     import typer
 
     from orchestrator.run.sweep import find_orphans, terminate_orphans
 
-    rep = find_orphans(store, provs)
+    def _terminate(which: Any) -> Any:
+        terminate_orphans(store, rep, which=which)  # type: ignore[arg-type]
+        return rep
+
+    rep = find() if find is not None else find_orphans(store, provs)  # type: ignore[arg-type]
     named = set(names)
 
     def picked(o: Any) -> bool:
@@ -66,7 +78,8 @@ def _gc(store: StateStore, provs: list[str], yes: bool, json_out: bool, names: l
     if not json_out:
         _print_orphans(rep, provs)
     if act:
-        terminate_orphans(store, rep, which=picked)
+        rep = (terminate or _terminate)(picked)
+        targets = [o for o in rep.orphans if picked(o)]
         if not json_out:
             for o in targets:
                 typer.echo(f"  {o.instance.name}: {o.outcome}{(' — ' + o.error) if o.error else ''}")

@@ -12,8 +12,6 @@ import typer
 
 from orchestrator.cli.options import JsonOpt
 
-RENTABLE = ("runpod", "lambda", "vast", "modal")
-
 
 def refresh_prices(clouds: list[str] | None, stale_only: bool) -> list[dict[str, Any]]:
     """Run SkyPilot's fetchers (``providers.skypilot.prices``); one line per cloud on stderr."""
@@ -33,52 +31,15 @@ def refresh_prices(clouds: list[str] | None, stale_only: bool) -> list[dict[str,
 
 
 def cmd_prices(gpu: str | None, json_out: bool, spot: bool | None, refresh: bool = False) -> None:
-    import time
+    from orchestrator.cli import remote
+    from orchestrator.run.priceview import checked_gpu, price_view
 
-    from orchestrator.contract.errors import UsageError
-    from orchestrator.contract.gpus import canonical_gpu
-    from providers import registry
-    from providers.catalog import UNKNOWN_SPOT, all_rows
-
-    if gpu is not None:
-        g = canonical_gpu(gpu)
-        if g is None:
-            from orchestrator.contract.gpus import GPUS
-
-            raise UsageError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
-        gpu = g
-    refreshed = refresh_prices(None, stale_only=False) if refresh else []
-    caps = {}
-    for name in RENTABLE:
-        c = registry.get(name).capabilities()
-        caps[name] = {
-            "spot": {"supported": c.spot.supported, "reason": c.spot.reason},
-            "multi_node": {"supported": c.multi_node.supported, "reason": c.multi_node.reason},
-            "max_gpus_per_node": c.max_gpus_per_node,
-        }
-    rows = []
-    for r in all_rows(gpu):
-        kinds = []
-        if spot is not True:
-            kinds.append((False, r.price, r.source))
-        if spot is not False and r.spot_sold and caps[r.provider]["spot"]["supported"]:
-            if r.spot_price is not None:
-                kinds.append((True, r.spot_price, r.source + (f"; {r.spot_note}" if r.spot_note else "")))
-            else:
-                kinds.append((True, r.price, f"{r.source}; {UNKNOWN_SPOT}"
-                              + (f" ({r.spot_note})" if r.spot_note else "")))
-        for is_spot, price, source in kinds:
-            known = not is_spot or r.spot_price is not None
-            rows.append({
-                "provider": r.provider, "region": r.region, "gpu": r.gpu,
-                "gpus_per_node": r.gpus_per_node, "spot": is_spot,
-                "price_per_gpu_hour": round(price, 4), "price_source": source, "price_date": r.date,
-                "price_known": known,
-                "spot_bid": round(price, 4) if is_spot and known and r.fetched_at is not None else None,
-                "price_fetched_at": r.fetched_at,
-                "price_age_seconds": round(time.time() - r.fetched_at, 1) if r.fetched_at else None,
-                "note": r.note,
-            })
+    gpu = checked_gpu(gpu)
+    if remote.target():  # the server's price view, printed as the embedded one
+        (rows, caps), refreshed = remote.prices(gpu, spot, refresh), []
+    else:
+        refreshed = refresh_prices(None, stale_only=False) if refresh else []
+        rows, caps = price_view(gpu, spot)
     if json_out:
         sys.stdout.write(json.dumps({"prices": rows, "capabilities": caps, "refresh": refreshed}) + "\n")
         return

@@ -2,8 +2,14 @@
 ``DTRUN_TOKEN``, else what ``dtrun login`` saved in ``$DTRUN_HOME/server.json``, mode 0600), one
 HTTP call (stdlib ``urllib``: the CLI stays light), and ``status``/``cost``/``down``/``up`` through
 it. The dry run is computed by the server (``POST /v1/up``) and shown here by the same plan view
-and exit codes as the embedded dry run; the team's budget refusal is exit 3. Without a server the
-commands run embedded, as before: :func:`target` is None.
+and exit codes as the embedded dry run; the team's budget refusal is exit 3. ``prices``,
+``simulate`` and ``gc`` ask the server too and print with the embedded printers. Without a server
+the commands run embedded, as before: :func:`target` is None.
+
+A job file's relative paths are resolved here before it is sent, as the embedded CLI resolves them
+(``orchestrator.plan.spec.anchor_paths``: against the job file's folder); a job to run on the
+server that reads a local path (``trainer.data``/``val_data`` not a URI, ``command.code``) is
+refused here (exit 2, naming the field): the server runs elsewhere and cannot read the laptop.
 """
 
 from __future__ import annotations
@@ -155,14 +161,10 @@ def down(job: str, now: bool) -> int:
 
 def up(job: Path, *, dry_run: bool, yes: bool, json_out: bool, strict: bool, force: bool) -> int:
     """The server's dry run shown by the CLI's own plan view; then (not ``dry_run``) submit."""
-    import yaml
-
     from orchestrator.cli.planview import json_default, plan_report, print_plan, print_refusals, verdict_exit_code
-    from orchestrator.plan.spec import load_spec
     from orchestrator.run.prepare import Prepared
 
-    load_spec(job)  # the file's own errors here, with its line numbers
-    body = yaml.safe_load(Path(job).read_text())
+    body = job_body(job, runs_there=True)
     try:
         d = call("POST", "/v1/up", {"spec": body})
     except ServerError as e:
@@ -190,3 +192,99 @@ def up(job: Path, *, dry_run: bool, yes: bool, json_out: bool, strict: bool, for
     s = call("POST", "/v1/up", {"spec": body, "confirm": True})
     print(f"{s['job']['name']}: submitted to the server ({s['job']['state']}); `dtrun status {s['job']['name']}`")
     return EXIT_OK
+
+
+def _local(uri: str) -> bool:
+    return "://" not in uri or uri.startswith("file://")
+
+
+def job_body(job: Path, *, runs_there: bool) -> dict[str, Any]:
+    """The job file's mapping to send: validated here first (errors with line numbers), its
+    relative paths resolved as the embedded CLI resolves them. ``runs_there`` (``up``): refuse
+    (SpecError, exit 2) what reads a path on this machine — the server cannot."""
+    import yaml
+
+    from orchestrator.contract.errors import SpecError
+    from orchestrator.plan.spec import load_spec
+
+    spec = load_spec(job)
+    body = yaml.safe_load(Path(job).read_text())
+    if runs_there:
+        where = target()
+        url = where[0] if where else "the server"
+        fix = (f"the server at {url} runs the job elsewhere and cannot read this machine's files: give a URI "
+               "it can read (s3://…), or run embedded (unset DTRUN_SERVER, remove $DTRUN_HOME/server.json)")
+        t = spec.trainer
+        for field, value in (("data", t.data if t else "synthetic"), ("val_data", t.val_data if t else None)):
+            if value not in (None, "synthetic") and _local(value):
+                raise SpecError(f"{job}: trainer.{field}: {value} is a local path; {fix}")
+        if spec.command is not None:
+            raise SpecError(f"{job}: command.code: {spec.command.code} is a folder on this machine (user code is "
+                            f"copied from a local folder); {fix}")
+    ck = body.get("checkpoint")
+    body["checkpoint"] = {**(ck if isinstance(ck, dict) else {}), "uri": spec.checkpoint.uri}
+    if isinstance(body.get("trainer"), dict) and spec.trainer is not None:
+        for field in ("data", "val_data"):
+            if field in body["trainer"]:
+                body["trainer"][field] = getattr(spec.trainer, field)
+    if isinstance(body.get("command"), dict) and spec.command is not None:
+        body["command"]["code"] = spec.command.code
+    return body
+
+
+def prices(gpu: str | None, spot: bool | None, refresh: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The server's price view (``GET /v1/prices``): (rows, capabilities), printed by the caller
+    (``orchestrator.cli.prices``) as the embedded ones are."""
+    from urllib.parse import urlencode
+
+    from orchestrator.contract.errors import UsageError
+
+    if refresh:
+        raise UsageError("--refresh: the server keeps its own price catalogs; refresh them where it runs "
+                         "(`dtrun prices --refresh` there, without DTRUN_SERVER)")
+    q = {k: v for k, v in (("gpu", gpu), ("spot", None if spot is None else str(spot).lower())) if v is not None}
+    d = call("GET", "/v1/prices" + (f"?{urlencode(q)}" if q else ""))
+    return d["prices"], d["capabilities"]
+
+
+def simulate(job: Path, preemptions_per_hour: float | None, runs: int, seed: int,
+             **opts: Any) -> tuple[str, dict[str, Any]]:
+    """``POST /v1/simulate``: (job name, the embedded report), printed by the caller
+    (``orchestrator.cli.simulate``). The server caps the runs (422 naming ``runs``)."""
+    body = {"spec": job_body(job, runs_there=False), "preemptions_per_hour": preemptions_per_hour,
+            "runs": runs, "seed": seed, **opts}
+    d = call("POST", "/v1/simulate", body, timeout=900.0)
+    return d["name"], d["report"]
+
+
+def _sweep_report(d: dict[str, Any]) -> Any:
+    """A ``SweepReport`` rebuilt from its ``to_dict`` (the server's answer)."""
+    from orchestrator.run.sweep import Orphan, SweepReport
+    from providers.base import NodeState, OwnedInstance
+
+    def state(v: Any) -> Any:
+        try:
+            return NodeState(v)
+        except ValueError:
+            return v
+
+    return SweepReport(orphans=[Orphan(o["provider"], OwnedInstance(o["name"], o["instance_id"], state(o["state"]),
+                                                                    o.get("region") or "", o.get("created_at"),
+                                                                    o.get("owner")),
+                                       o.get("job"), o["why"], o["outcome"], o.get("error") or "", bool(o["ours"]))
+                                for o in d["orphans"]],
+                       owned=int(d["owned"]), errors=dict(d["errors"]))
+
+
+def gc(names: list[str], all_: bool) -> tuple[list[str], Any, Any]:
+    """``dtrun gc`` on the server (``POST /v1/gc``: the caller's team's orphans): (providers,
+    ``find()``, ``terminate(which)``) for the embedded ``orchestrator.cli.money._gc``, which lists,
+    confirms and reports as embedded; the server terminates what it picks (as ``which`` does:
+    names, ``all``, ours)."""
+    ask = {"names": names, "all": all_}
+    first = call("POST", "/v1/gc", {**ask, "terminate": False})
+
+    def terminate(which: Any) -> Any:
+        return _sweep_report(call("POST", "/v1/gc", {**ask, "terminate": True}, timeout=1800.0)["report"])
+
+    return first["providers"], (lambda: _sweep_report(first["report"])), terminate

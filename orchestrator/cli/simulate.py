@@ -14,13 +14,22 @@ from orchestrator.contract.errors import EXIT_OK
 
 def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: int, json_out: bool,
                  **opts: Any) -> int:
-    import typer
-
-    from orchestrator.cli.planview import fmt_money as usd
+    from orchestrator.cli import remote
     from orchestrator.plan.spec import load_spec
     from orchestrator.run.simulate import simulate_job
 
+    if remote.target():  # the server runs the same simulation (runs capped there); printed here
+        return print_simulation(*remote.simulate(job, preemptions_per_hour, runs, seed, **opts), json_out)
     spec, out = simulate_job(load_spec(job), preemptions_per_hour, runs, seed, **opts)
+    return print_simulation(spec.name, out, json_out)
+
+
+def print_simulation(name: str, out: dict[str, Any], json_out: bool) -> int:
+    """The report of ``simulate_job`` (embedded or the server's): JSON, or the lines below."""
+    import typer
+
+    from orchestrator.cli.planview import fmt_money as usd
+
     note = out.get("note")
     if json_out:
         typer.echo(json.dumps(out, sort_keys=True, default=float))
@@ -28,7 +37,7 @@ def cmd_simulate(job: Any, preemptions_per_hour: float | None, runs: int, seed: 
     p = out
     if note:
         typer.echo(note)
-    typer.echo(f"{spec.name}: {p['runs']} simulated runs on {p['offer']} ({usd(p['price_per_hour'])}/h), "
+    typer.echo(f"{name}: {p['runs']} simulated runs on {p['offer']} ({usd(p['price_per_hour'])}/h), "
                f"{p['preemptions_per_hour']:g} preemptions/h"
                + (f" ({p['nodes']} nodes × {p['preemptions_per_node_hour']:g}/h each; one lost node ends the "
                   "attempt)" if p.get("nodes", 1) > 1 else "")

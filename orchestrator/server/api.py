@@ -14,6 +14,8 @@ names the request, never a token or a credential. Team secrets never appear in a
 the CLI shows with its own plan view and exit codes) plus the team's month
 (``orchestrator.server.budget``); with ``confirm: true`` and nothing refused, the job is submitted
 (queued for a controller replica).
+
+``/v1/prices``, ``/v1/simulate`` and ``/v1/gc`` (team-scoped) are in ``orchestrator.server.api_extra``.
 """
 
 from __future__ import annotations
@@ -197,6 +199,10 @@ def create_app(engine: Engine, *, get: Callable[[str], Any] | None = None,
     def team_cost(who=Depends(caller)):
         with session_scope(engine) as s:
             return budget.team_month(s, s.get(Team, who[1]))
+
+    from orchestrator.server.api_extra import add_extra_routes
+
+    add_extra_routes(app, engine, caller, get, ApiError)  # /v1/prices, /v1/simulate, /v1/gc
 
     from orchestrator.server.dashboard_source import mount_dashboard
 
