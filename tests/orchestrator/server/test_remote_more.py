@@ -269,3 +269,34 @@ def test_up_resolves_relative_paths_and_refuses_local_inputs(world, run, tmp_pat
     assert r.exit_code == 2 and "command.code" in r.output and str(sub / "code") in r.output, r.output
     with session_scope(world["engine"]) as s:
         assert {j.name for j in s.query(Job)} == {"ajob", "bjob", "shared", "rel1"}  # nothing else reached it
+
+
+def test_fuzzed_bodies_of_the_new_endpoints_never_500(world):
+    """A seeded, bounded fuzz: the simulate and gc bodies with one field replaced by junk (or
+    dropped), and junk query strings for prices — always a 2xx or a 4xx with one line, never a 500."""
+    import random
+
+    rnd = random.Random(30)
+    junk = [None, -1, 0, 1e308, "x" * 300, [], {}, {"a": 1}, True, "1", -10**18, [1, "a"], "../../etc"]
+    c = TestClient(world["api"], raise_server_exceptions=False)
+    h = {"Authorization": f"Bearer {world['tokens']['amy']}"}
+    seen = set()
+    for i in range(25):
+        body = {**_sim_body(), "runs": 1}
+        where = rnd.choice(["spec", "runs", "seed", "preemptions_per_hour", "no_capacity", "notice_seconds",
+                            "soft_fraction", "spec.name", "spec.resources", "spec.trainer", "spec.checkpoint",
+                            "spec.budget"])
+        target, key = (body["spec"], where[5:]) if where.startswith("spec.") else (body, where)
+        if rnd.random() < 0.15:
+            target.pop(key, None)
+        else:
+            target[key] = rnd.choice(junk)
+        r = c.post("/v1/simulate", json=body, headers=h)
+        seen.add(r.status_code)
+        assert r.status_code < 500 and "Traceback" not in r.text, (where, target.get(key), r.text)
+        r = c.post("/v1/gc", json={rnd.choice(["names", "all", "terminate", "bogus"]): rnd.choice(junk)}, headers=h)
+        assert r.status_code < 500 and "Traceback" not in r.text, r.text
+        r = c.get(f"/v1/prices?gpu={rnd.choice(['H100', 'x' * 300, '%00', ''])}&spot={rnd.choice(['1', 'maybe'])}",
+                  headers=h)
+        assert r.status_code < 500 and "Traceback" not in r.text, r.text
+    assert 422 in seen, seen
