@@ -26,6 +26,9 @@
     (another dtrun home's or server's, an older dtrun's without an owner id, a job unknown here) is
     listed as "not ours" only to the team's admins, who may terminate it by name or with ``all``;
     a member asking ``all`` is refused (403, saying so). "owned" counts the team's live nodes only.
+    A recorded live node of a server job not ended is never an orphan here, even when the process
+    that recorded it is gone (embedded ``dtrun gc`` would say "controller gone"): after a replica is
+    SIGKILLed another adopts the job and re-attaches to that node within one lease period.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from sqlalchemy.engine import Engine
 
 from orchestrator.contract.errors import DtrunError, SpecError
 from orchestrator.server.db import session_scope
-from orchestrator.server.models import Job, User
+from orchestrator.server.models import TERMINAL, Job, User
 
 MAX_SIM_RUNS = 1000
 """The most simulated runs one ``POST /v1/simulate`` computes (the CLI's default is 200)."""
@@ -127,13 +130,14 @@ def add_extra_routes(app: FastAPI, engine: Engine, caller: Callable[..., tuple[i
         body = body or GcBody()
         with session_scope(engine) as s:
             admin = s.get(User, who[0]).role == "admin"
-            rows = s.execute(select(Job.name, Job.team_id)).all()
+            rows = s.execute(select(Job.name, Job.team_id, Job.state)).all()
         if body.all and not admin:
             raise ApiError(403, "all: terminating instances that no job of the team owns is for the team's admins; "
                                 "a member's gc lists and terminates the team's orphans (or names them)")
-        mine = {n for n, t in rows if t == who[1]}
-        others = {n for n, t in rows if t != who[1]}
-        return team_sweep(mine, others, admin, body, get)
+        mine = {n for n, t, _ in rows if t == who[1]}
+        others = {n for n, t, _ in rows if t != who[1]}
+        live = {n for n, _, st in rows if st not in TERMINAL}
+        return team_sweep(mine, others, admin, body, get, live=live)
 
 
 def _providers(names: list[str], get: Callable[[str], Any] | None) -> tuple[list[Any], dict[str, str]]:
@@ -155,9 +159,12 @@ def _providers(names: list[str], get: Callable[[str], Any] | None) -> tuple[list
 
 
 def team_sweep(mine: set[str], others: set[str], admin: bool, body: GcBody,
-               get: Callable[[str], Any] | None) -> dict[str, Any]:
+               get: Callable[[str], Any] | None, live: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
     """The sweep of the server's state store as the caller's team may see it (see the module
-    docstring); with ``body.terminate``, what it picks terminated (confirmed) first."""
+    docstring); with ``body.terminate``, what it picks terminated (confirmed) first. ``live``: the
+    server's jobs not ended: a recorded live node of one of them is never an orphan here, even when
+    the controller process that recorded it is gone (a replica SIGKILLed: another adopts the job
+    and re-attaches to that node within one lease period)."""
     from orchestrator.run.state import ACTIVE_STATES, StateStore
     from orchestrator.run.sweep import find_orphans, gc_providers, terminate_orphans
 
@@ -173,7 +180,12 @@ def team_sweep(mine: set[str], others: set[str], admin: bool, body: GcBody,
     def unowned(o: Any) -> bool:
         return not (o.ours and o.job in (mine | others))
 
-    rep.orphans = [o for o in rep.orphans if teams(o) or (admin and unowned(o))]
+    def adopted(o: Any) -> bool:  # a node a replica re-attaches to (its job lives on the server)
+        return o.job in live and (store.get_job(o.job) or {}).get("state") in ACTIVE_STATES and any(
+            nd["provider"] == o.provider and str(nd["instance_id"]) == str(o.instance.instance_id)
+            for nd in store.nodes(o.job, live_only=True))
+
+    rep.orphans = [o for o in rep.orphans if not adopted(o) and (teams(o) or (admin and unowned(o)))]
     for o in rep.orphans:
         o.ours = teams(o)
     rep.owned = sum(len(store.nodes(n, live_only=True)) for n in mine

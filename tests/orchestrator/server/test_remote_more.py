@@ -190,10 +190,10 @@ def test_simulate_through_the_server_prints_what_embedded_prints(world, run, tmp
     assert r.exit_code == 2 and "runs" in r.output and "Traceback" not in r.output
 
 
-def _launch(cloud, job, attempt, owner):
+def _launch(cloud, job, attempt, owner, handle=False):
     offer = Offer("fake", "fake-east", "H100", 1, True, 1.0)
     h = cloud.launch(LaunchRequest(job=job, attempt=attempt, offer=offer, nodes=1, command=["true"], owner=owner))
-    return h.name
+    return h if handle else h.name
 
 
 def _live(cloud):
@@ -222,12 +222,30 @@ def test_gc_through_the_server_is_scoped_to_the_team(world, run):
         return {(o["name"], o["ours"]) for o in json.loads(r.stdout)["orphans"]}
 
     assert listed("amy") == {(names["a"], True)}  # a member: the team's orphans only
+
+    # a running job whose controller process is gone (a replica SIGKILLed): its recorded node is
+    # the next replica's to re-attach to, not an orphan (embedded gc would call it one)
+    import subprocess
+    import sys
+
+    store = StateStore()
+    store.create_job("ljob", "name: ljob\n", "s3://b/ljob")
+    store.set_state("ljob", "RUNNING")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert store.claim_controller("ljob", pid=dead.pid)
+    h = _launch(cloud, "ljob", 1, server_owner, handle=True)
+    store.add_node("ljob", 1, h.to_dict(), time.time(), state="RUNNING")
+    with session_scope(world["engine"]) as s:
+        amy = s.query(Job).filter_by(name="ajob").one()
+        s.add(Job(team_id=amy.team_id, user_id=amy.user_id, name="ljob", spec={"name": "ljob"}, state="running"))
+    assert listed("amy") == {(names["a"], True)} and h.name in _live(cloud)
     assert listed("bob") == {(names["b"], True)}
     assert listed("ann") == {(names["a"], True), (names["stray"], False), (names["a_other"], False)}  # admin
     code, out = run_gc("amy")
     assert code == 0 and "1 orphan instance(s):" in out and names["a"] in out and names["b"] not in out
     code, out = run_gc("amy", "--all", "--yes")
-    assert code == 5 and "admins" in out and len(_live(cloud)) == 5  # refused, nothing touched
+    assert code == 5 and "admins" in out and len(_live(cloud)) == 6  # refused, nothing touched
     code, out = run_gc("amy", names["b"], "--yes")  # another team's instance, named: not found
     assert code == 1 and f"no orphan instance named {names['b']!r}" in out and names["b"] in _live(cloud)
 
@@ -238,7 +256,7 @@ def test_gc_through_the_server_is_scoped_to_the_team(world, run):
     assert code == 0 and f"{names['b']}: terminated" in out
     code, out = run_gc("ann", "--all", "--yes")
     assert code == 0 and f"{names['stray']}: terminated" in out and names["shared"] not in out
-    assert _live(cloud) == [names["shared"]]  # a name two teams share: nobody's to terminate
+    assert _live(cloud) == sorted([names["shared"], h.name])  # a name two teams share: nobody's; ljob's: adopted
     assert listed("amy") == set() and listed("bob") == set()
 
 
