@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# GPU checks for the trainer (issues 12 and 25): what only a GPU can show. Needs CUDA GPUs, torch
+# GPU checks for the trainer (issues 12, 25 and 32): what only a GPU can show. Needs CUDA GPUs, torch
 # with NCCL, and (for the fp8 step) torchao. Not yet run: no GPU was lent to the development
-# sessions. About 10 minutes on 1–2 H100/H200 with the defaults.
+# sessions. About 12 minutes on 1–2 H100/H200 with the defaults (an estimate).
 #
 #   bash benchmarks/gpu_check.sh [NGPUS=2] [STEPS=40]
 #
@@ -21,6 +21,13 @@
 #  bf16-Ngpu  FSDP2 on NGPUS GPUs (NGPUS > 1): tokens/s, MFU, planner vs reserved
 #  tp2, ep2   (NGPUS ≥ 2) $MODEL with tp 2, $MOE_MODEL with ep 2, compile, under
 #             TORCH_LOGS=graph_breaks,recompiles: graph breaks and recompiles counted from the log
+#  pp2        (2 GPUs) $MODEL untied (pipeline stages cannot share the embedding), pp 2 1f1b,
+#             $PP_MICROBATCHES microbatches: tokens/s, MFU, planner vs reserved; then `dtrun profile`
+#             of the same job: the measured pipeline bubble next to the formula (reported; ok when
+#             it is measured, the figure is not held to a bound)
+#  cp2        (2 GPUs) $MODEL with cp 2 vs the same job at cp 1 on one GPU (same batch and
+#             micro-batches): tokens/s of both, final loss equal within $CP_TOL (relative)
+#  (pp2 and cp2 print a "skipped" line with the reason when fewer than 2 GPUs are there)
 #  fp8        fp8 (torchao) vs bf16: final loss of the same 1-GPU run (skipped without torchao)
 #
 # Exit 1 if a run fails or a step's expectation does not hold (the summary says which).
@@ -39,6 +46,8 @@ SEQ=${SEQ:-1024}
 MB=${MB:-8}
 PRECISION=${PRECISION:-bf16}
 GPU=${GPU:-H100}  # what the planner prices and checks memory against (the job is run here, by torchrun)
+PP_MICROBATCHES=${PP_MICROBATCHES:-$MB}  # of the 2·MB sequences per step: MB microbatches of 2
+if [ "$PRECISION" = fp32 ]; then CP_TOL=${CP_TOL:-1e-4}; else CP_TOL=${CP_TOL:-2e-2}; fi
 if [ "$GPU" = cpu ]; then PROVIDER=local; COMPILE=false; else PROVIDER=${PROVIDER:-lambda}; COMPILE=true; fi
 export PYTHONPATH=$PWD DTRUN_PARAM_DIGEST=${DTRUN_PARAM_DIGEST:-0}
 OUT=${GPU_CHECK_OUT:-$(mktemp -d)}
@@ -48,8 +57,8 @@ SUMMARY="$OUT/summary.jsonl"
 : > "$SUMMARY"
 say() { echo "$1"; echo "$1" >> "$SUMMARY"; }
 
-job() {  # name ngpus model steps parallel fp8 every -> path of a job yaml
-  local name=$1 n=$2 model=$3 steps=$4 par=$5 fp8=$6 every=$7
+job() {  # name ngpus model steps parallel fp8 every [batch] -> path of a job yaml
+  local name=$1 n=$2 model=$3 steps=$4 par=$5 fp8=$6 every=$7 batch=${8:-$((MB * $2))}
   cat > "$OUT/$name.yaml" <<YAML
 name: $name
 resources: {providers: [$PROVIDER], gpu: $GPU, gpus_per_node: $n}
@@ -57,7 +66,7 @@ trainer:
   model: $model
   parallel: $par
   steps: $steps
-  batch_size: $((MB * n))
+  batch_size: $batch
   micro_batch_size: $MB
   seq_len: $SEQ
   precision: $PRECISION
@@ -220,6 +229,50 @@ if [ "$NGPUS" -gt 1 ]; then
   run tp2 2 "$MODEL" 20 "{dp_shard: 1, tp: 2}" false 100000; report tp2 2 fsdp-zero3+tp2
   run ep2 2 "$MOE_MODEL" 20 "{dp_shard: 2, ep: 2}" false 100000; report ep2 2 fsdp-zero3+ep2
   unset TORCH_LOGS
+fi
+
+# -- pipeline (pp 2, 1f1b) and context (cp 2) parallel on 2 GPUs -------------------------------
+if [ "$GPU" = cpu ]; then HAVE=$NGPUS; else HAVE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true); fi
+if [ "$NGPUS" -lt 2 ] || [ "${HAVE:-0}" -lt 2 ]; then
+  why="needs 2 GPUs: NGPUS=$NGPUS"; [ "$GPU" = cpu ] || why="$why, nvidia-smi lists $HAVE"
+  say "{\"check\": \"pp2\", \"skipped\": \"$why\", \"ok\": true}"
+  say "{\"check\": \"cp2\", \"skipped\": \"$why\", \"ok\": true}"
+else
+  # The model untied: a pipeline cannot put one embedding weight on its first and last stage.
+  UNTIED=$("$PY" -c "import json, sys; from orchestrator.plan.presets import resolve_model
+print(json.dumps(resolve_model(sys.argv[1]).model_copy(update={'tie_embeddings': False}).model_dump(exclude_none=True)))" "$MODEL")
+  run pp2 2 "$UNTIED" 20 "{dp_shard: 1, pp: 2, pp_schedule: 1f1b, pp_microbatches: $PP_MICROBATCHES}" false 100000
+  report pp2 2 pp2
+  "$PY" -m orchestrator.cli.app profile "$OUT/pp2.yaml" --steps "$((STEPS < 10 ? STEPS : 10))" --json \
+    > "$OUT/pp2-profile.json" 2> "$OUT/pp2-profile.log" \
+    || { tail -30 "$OUT/pp2-profile.log"; say '{"check": "pp2-bubble", "ok": false, "error": "dtrun profile failed"}'; exit 1; }
+  say "$("$PY" - "$OUT" <<'PYEOF'
+import json, sys
+res = json.load(open(f"{sys.argv[1]}/pp2-profile.json"))
+b = res.get("pipeline_bubble") or {}
+rec = {"check": "pp2-bubble", "measured": b.get("measured"), "formula": b.get("formula"),
+       "schedule": b.get("schedule"), "microbatches": b.get("microbatches"), "pp": b.get("pp"),
+       "pipelined_step_s": b.get("pipelined_step_seconds"), "busy_s_per_rank": b.get("busy_seconds_per_rank"),
+       "profile_tokens_per_s": res.get("tokens_per_s"), "profile_mfu": res.get("mfu"),
+       "target": "reported: the measured bubble next to (p-1)/(m+p-1); sends and unequal stages add to it"}
+rec["ok"] = isinstance(b.get("measured"), float) and 0 <= b["measured"] < 1
+print(json.dumps(rec))
+PYEOF
+)"
+  run cp2 2 "$MODEL" 20 "{dp_shard: 1, cp: 2}" false 100000 $((2 * MB)); report cp2 2 cp2
+  run cp1 1 "$MODEL" 20 "{dp_shard: 1}" false 100000 $((2 * MB))
+  say "$("$PY" - "$OUT" "$CP_TOL" <<'PYEOF'
+import json, sys
+out, tol = sys.argv[1], float(sys.argv[2])
+a, b = (json.load(open(f"{out}/run-{n}/DONE")) for n in ("cp1", "cp2"))
+ta, tb = (json.load(open(f"{out}/run-{n}/progress.json")).get("tokens_per_s") for n in ("cp1", "cp2"))
+rec = {"check": "cp2-vs-cp1", "step": b["step"], "cp1_loss": a["loss"], "cp2_loss": b["loss"],
+       "rel_diff": abs(b["loss"] - a["loss"]) / abs(a["loss"]), "cp1_tokens_per_s": ta, "cp2_tokens_per_s": tb,
+       "target": f"cp 2 loss within {tol:g} (relative) of cp 1 at the same step, same batch"}
+rec["ok"] = a["step"] == b["step"] and rec["rel_diff"] <= tol
+print(json.dumps(rec))
+PYEOF
+)"
 fi
 
 # -- fp8 vs bf16 -------------------------------------------------------------------------------
