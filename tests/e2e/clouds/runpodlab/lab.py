@@ -53,10 +53,16 @@ def endpoint() -> str:
     return f"http://127.0.0.1:{PORT}"
 
 
+API_SERVER_PORT = 46590  # not SkyPilot's default 46580
+
+
 def env() -> dict[str, str]:
     """What a process that drives SkyPilot against the lab needs in its environment."""
+    # Its own SkyPilot API server port (SkyPilot's client and server both honor the variable): a server
+    # another lab left on the default 46580 (the Lambda lab's, with its HOME and without
+    # RUNPOD_API_BASE_URL, still up while the same pytest session runs on) is never reused here.
     return {"HOME": str(home()), "RUNPOD_API_BASE_URL": endpoint(), "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
-            "DTRUN_LAB_HOST_IP": podlib.HOST_IP}
+            "SKYPILOT_API_SERVER_LOCAL_PORT": str(API_SERVER_PORT), "DTRUN_LAB_HOST_IP": podlib.HOST_IP}
 
 
 def preflight() -> str | None:
