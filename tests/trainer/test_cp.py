@@ -23,7 +23,7 @@ _conf = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_conf)
 REPO, Trainer, losses, worlds_per_size = _conf.REPO, _conf.Trainer, _conf.losses, _conf.worlds_per_size
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # real torchrun, 4 ranks: in `make e2e` to keep `make test` near 8 min
 
 STEPS = 4
 # GQA (4 query heads, 2 kv heads), QK-norm, SwiGLU, RMSNorm, RoPE, untied: every attention path.

@@ -16,7 +16,7 @@ from conftest import REPO, Trainer, losses, worlds_per_size
 
 from orchestrator.contract import runuri
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # real torchrun, 4 ranks: in `make e2e` to keep `make test` near 8 min
 
 STEPS = 4
 # Untied (pipelining refuses tied embeddings), 4 layers: 2 stages of 2 (gpipe/1f1b) or 4 of 1
