@@ -115,6 +115,18 @@ def stage_ids(pp_rank: int, cfg: PPConfig) -> list[int]:
     return [pp_rank + k * cfg.pp for k in range(cfg.v)]
 
 
+def placement(rank: int, ids: list[int], cfg: PPConfig, n_layers: int, env: Any = None) -> str:
+    """The line each rank logs at start: which stages (and layers) it runs, on which node
+    (torchrun's ``GROUP_RANK``), so a multi-node job shows where its pipeline landed."""
+    import os
+
+    env = os.environ if env is None else env
+    per = n_layers // cfg.n_stages
+    layers = ", ".join(f"{s * per}-{(s + 1) * per - 1}" for s in ids)
+    return (f"pipeline: rank {rank} (node {env.get('GROUP_RANK', '?')}, local rank {env.get('LOCAL_RANK', '?')}) "
+            f"runs stage {', '.join(map(str, ids))} of {cfg.n_stages} (layers {layers} of {n_layers})")
+
+
 def split_stage(full: nn.Module, stage: int, n_stages: int) -> nn.Module:
     """A copy of the (meta) model holding only stage ``stage``'s layers (names kept)."""
     part = copy.deepcopy(full)
@@ -179,6 +191,7 @@ def build(spec: Any, dims: Any, meshes: Any, cfg: PPConfig, *, device: torch.dev
     t = spec.trainer
     full = build_model(t.model_spec, device="meta")
     ids = stage_ids(dims.pp_rank(rank), cfg)
+    log.info("%s", placement(rank, ids, cfg, t.model_spec.n_layers))
     raf = reshard_after_forward and cfg.schedule not in SPLIT_BACKWARD
     if reshard_after_forward and not raf and rank == 0:
         log.info("pp_schedule %s: FSDP2 reshard_after_forward=False (its split backward needs the gathered "
