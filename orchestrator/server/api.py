@@ -35,7 +35,7 @@ from orchestrator.contract.errors import EXIT_OK, EXIT_OVER_BUDGET, DtrunError, 
 from orchestrator.server import budget
 from orchestrator.server.auth import AuthError, BadTokenLimiter, authenticate
 from orchestrator.server.db import session_scope
-from orchestrator.server.models import Event, Job, Team, User
+from orchestrator.server.models import Attempt, Event, Job, Team, User
 
 log = logging.getLogger("dtrun.server")
 
@@ -183,8 +183,13 @@ def create_app(engine: Engine, *, get: Callable[[str], Any] | None = None,
     def cost(name: str, who=Depends(caller)):
         with session_scope(engine) as s:
             j = team_job(s, who[1], name)
+            atts = s.scalars(select(Attempt).where(Attempt.job_id == j.id).order_by(Attempt.n)).all()
             return {"name": j.name, "state": j.state, "spend_usd": j.spend_usd,
-                    "estimate_usd": budget.job_estimate_usd(j), "price_per_hour": j.price_per_hour}
+                    "estimate_usd": budget.job_estimate_usd(j), "price_per_hour": j.price_per_hour,
+                    "attempts": [{"attempt": a.n, "provider": a.provider, "state": a.state, "outcome": a.outcome,
+                                  "reason": a.reason, "launched_at": a.launched_at, "ended_at": a.ended_at,
+                                  "price_per_hour": a.price_per_hour, "seconds": a.seconds, "usd": a.spend_usd}
+                                 for a in atts]}
 
     @app.post("/v1/jobs/{name}/down")
     def down(name: str, body: DownBody | None = None, who=Depends(caller)):

@@ -43,7 +43,7 @@ from orchestrator.run.state import TERMINAL_STATES, StateStore
 from orchestrator.server import budget, leases, teamsecrets
 from orchestrator.server.db import session_scope
 from orchestrator.server.jobs import add_event
-from orchestrator.server.models import Job, Team
+from orchestrator.server.models import Attempt, Job, Team
 
 # the controller's states → the server's (orchestrator.server.models.JOB_STATES)
 _STATE = {"PENDING": "queued", "PROVISIONING": "running", "RUNNING": "running", "RECOVERING": "running",
@@ -66,6 +66,7 @@ class Replica:
         self.controllers: dict[int, Controller] = {}
         self.team_of: dict[int, int] = {}  # job id → team id
         self.secret_key, self.tick_seconds = secret_key, tick_seconds
+        self._attempts_seen: dict[int, tuple] = {}  # job id → what its server attempt rows last said
 
     def tick(self) -> None:
         """Renew, claim what is free, tick every owned job's controller, write the results back."""
@@ -117,17 +118,45 @@ class Replica:
                 job.booked_until = self.clock.now()
                 att = ctl.current_attempt()
                 job.attempt = att["n"] if att else 0
+                seen = self._sync_attempts(s, jid, ctl.name)
                 if state in TERMINAL_STATES:
                     leases.release(s, self.id, jid, epoch)
         except leases.LeaseLost:
-            self.owned.pop(jid, None)
-            self.controllers.pop(jid, None)
-            self.team_of.pop(jid, None)
+            self._forget(jid)
             return
+        if seen is not None:
+            self._attempts_seen[jid] = seen
         if state in TERMINAL_STATES:
-            self.owned.pop(jid, None)
-            self.controllers.pop(jid, None)
-            self.team_of.pop(jid, None)
+            self._forget(jid)
+
+    def _forget(self, jid: int) -> None:
+        self.owned.pop(jid, None)
+        self.controllers.pop(jid, None)
+        self.team_of.pop(jid, None)
+        self._attempts_seen.pop(jid, None)
+
+    def _sync_attempts(self, s: Any, jid: int, name: str) -> tuple | None:
+        """Copy the job's attempts (outcome, booked spend) from the controllers' state store into the
+        server's ``attempts`` table, so ``dtrun cost`` through the server shows them from any laptop;
+        written only when an attempt's state, outcome or booked cents changed. Returns what was
+        written (None: nothing new)."""
+        atts = self.store.attempts(name)
+        spend = {r["attempt"]: r for r in self.store.spend_by_attempt(name)}
+        key = tuple((a["n"], a["state"], a.get("outcome"), round(float((spend.get(a["n"]) or {}).get("usd") or 0), 2),
+                     bool((spend.get(a["n"]) or {}).get("closed"))) for a in atts)
+        if self._attempts_seen.get(jid) == key:
+            return None
+        have = {a.n: a for a in s.scalars(select(Attempt).where(Attempt.job_id == jid))}
+        for a in atts:
+            sp = spend.get(a["n"]) or {}
+            row = have.get(a["n"]) or Attempt(job_id=jid, n=a["n"])
+            row.provider, row.state, row.outcome, row.reason = a["provider"], a["state"], a.get("outcome"), a.get("reason")
+            row.created, row.launched_at, row.ended_at = a["created"], a.get("launched_at"), a.get("ended_at")
+            row.price_per_hour, row.seconds = sp.get("price_per_hour"), float(sp.get("seconds") or 0.0)
+            row.spend_usd = float(sp.get("usd") or 0.0)
+            if a["n"] not in have:
+                s.add(row)
+        return key
 
     def _team_storage(self, team_id: int) -> Callable[[Any, str], tuple[dict[str, str], dict[str, str]]]:
         """The launcher's ``storage`` for one team's job: its team's secrets, read at each launch."""
