@@ -71,6 +71,10 @@ HOST = socket.gethostname()
 class StateStore:
     """SQLite-backed job state (see the module docstring for the API)."""
 
+    _FOR_UPDATE = ""
+    """Appended to a read inside a write transaction (``BEGIN IMMEDIATE`` already holds the file's
+    write lock; ``orchestrator.server.ctlstore`` sets `` FOR UPDATE``: a row lock)."""
+
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = str(path) if path is not None else str(default_path())
         try:
@@ -89,6 +93,7 @@ class StateStore:
             _JOB_COLS = columns(self._conn, "jobs")
             _ATTEMPT_COLS = columns(self._conn, "attempts")
             _NODE_COLS = columns(self._conn, "nodes")
+        self._cols = {"jobs": _JOB_COLS, "attempts": _ATTEMPT_COLS, "nodes": _NODE_COLS}
 
     # ---- plumbing ------------------------------------------------------------------------
     class _Tx:
@@ -145,7 +150,7 @@ class StateStore:
         attempts, spend and events (attempt numbers continue)."""
         t = time.time() if t is None else t
         with self._write() as c:
-            row = c.execute("SELECT name FROM jobs WHERE name=?", (name,)).fetchone()
+            row = c.execute("SELECT name FROM jobs WHERE name=?" + self._FOR_UPDATE, (name,)).fetchone()
             nxt = (c.execute("SELECT COALESCE(MAX(n), 0) FROM attempts WHERE job=?", (name,)).fetchone()[0]) + 1
             vals = dict(state="PENDING", reason=None, spec_yaml=spec_yaml, spec_path=spec_path, run_uri=run_uri,
                         providers=json.dumps(providers or []), updated=t, finished_at=None, deadline=None,
@@ -157,7 +162,7 @@ class StateStore:
                 cols = ", ".join(vals)
                 c.execute(f"INSERT INTO jobs ({cols}) VALUES ({', '.join('?' * len(vals))})", list(vals.values()))
             else:
-                sets, args = self._sets(vals, _JOB_COLS)
+                sets, args = self._sets(vals, self._cols["jobs"])
                 c.execute(f"UPDATE jobs SET {sets} WHERE name=?", args + [name])
         return self.get_job(name)  # type: ignore[return-value]
 
@@ -172,7 +177,7 @@ class StateStore:
         if not cols:
             return
         cols.setdefault("updated", time.time())
-        sets, args = self._sets(cols, _JOB_COLS)
+        sets, args = self._sets(cols, self._cols["jobs"])
         with self._write() as c:
             c.execute(f"UPDATE jobs SET {sets} WHERE name=?", args + [name])
 
@@ -185,7 +190,7 @@ class StateStore:
         cols.update(state=state, reason=reason, updated=t)
         if state in TERMINAL_STATES:
             cols.setdefault("finished_at", t)
-        sets, args = self._sets(cols, _JOB_COLS)
+        sets, args = self._sets(cols, self._cols["jobs"])
         msg = state + (f": {reason}" if reason else "")
         with self._write() as c:
             c.execute(f"UPDATE jobs SET {sets} WHERE name=?", args + [name])
@@ -196,14 +201,14 @@ class StateStore:
         if action not in ("stop", "stop_now"):
             raise ValueError(action)
         with self._write() as c:
-            cur = c.execute("SELECT requested_action FROM jobs WHERE name=?", (name,)).fetchone()
+            cur = c.execute("SELECT requested_action FROM jobs WHERE name=?" + self._FOR_UPDATE, (name,)).fetchone()
             if cur is not None and cur[0] == "stop_now":
                 return  # never downgrade --now to graceful
             c.execute("UPDATE jobs SET requested_action=? WHERE name=?", (action, name))
 
     def pop_action(self, name: str) -> str | None:
         with self._write() as c:
-            row = c.execute("SELECT requested_action FROM jobs WHERE name=?", (name,)).fetchone()
+            row = c.execute("SELECT requested_action FROM jobs WHERE name=?" + self._FOR_UPDATE, (name,)).fetchone()
             if row is None or row[0] is None:
                 return None
             c.execute("UPDATE jobs SET requested_action=NULL WHERE name=?", (name,))
@@ -225,8 +230,8 @@ class StateStore:
         """Become the job's controller; False if another live controller owns it."""
         pid = os.getpid() if pid is None else pid
         with self._write() as c:
-            row = c.execute("SELECT controller_pid, controller_host, controller_seen FROM jobs WHERE name=?",
-                            (name,)).fetchone()
+            row = c.execute("SELECT controller_pid, controller_host, controller_seen FROM jobs WHERE name=?"
+                            + self._FOR_UPDATE, (name,)).fetchone()
             if row is None:
                 return False
             cur = dict(row)
@@ -258,7 +263,7 @@ class StateStore:
     def update_attempt(self, job: str, n: int, **cols: Any) -> None:
         if not cols:
             return
-        sets, args = self._sets(cols, _ATTEMPT_COLS)
+        sets, args = self._sets(cols, self._cols["attempts"])
         with self._write() as c:
             c.execute(f"UPDATE attempts SET {sets} WHERE job=? AND n=?", args + [job, n])
 
@@ -289,7 +294,7 @@ class StateStore:
     def update_node(self, node_id: int, **cols: Any) -> None:
         if not cols:
             return
-        sets, args = self._sets(cols, _NODE_COLS)
+        sets, args = self._sets(cols, self._cols["nodes"])
         with self._write() as c:
             c.execute(f"UPDATE nodes SET {sets} WHERE id=?", args + [node_id])
 
@@ -318,7 +323,7 @@ class StateStore:
         q = "SELECT * FROM events WHERE job=? AND id>? ORDER BY id"
         args: list[Any] = [job, after_id]
         if limit:  # the newest ``limit`` events, oldest first
-            q = "SELECT * FROM (SELECT * FROM events WHERE job=? AND id>? ORDER BY id DESC LIMIT ?) ORDER BY id"
+            q = "SELECT * FROM (SELECT * FROM events WHERE job=? AND id>? ORDER BY id DESC LIMIT ?) AS e ORDER BY id"
             args.append(limit)
         rows = self._read(q, args)
         for r in rows:
@@ -339,8 +344,8 @@ class StateStore:
         bill past the row's end — an abandoned launch's late instance, an orphan the sweep found):
         then it books on from where it ended."""
         with self._write() as c:
-            row = c.execute("SELECT price_per_hour, billed_until, closed FROM spend WHERE job=? AND attempt=?",
-                            (job, attempt)).fetchone()
+            row = c.execute("SELECT price_per_hour, billed_until, closed FROM spend WHERE job=? AND attempt=?"
+                            + self._FOR_UPDATE, (job, attempt)).fetchone()
             if row is None or (row["closed"] and not reopen):
                 return 0.0
             dt = max(0.0, until - row["billed_until"])

@@ -119,3 +119,6 @@ class Attempt(Base):
     price_per_hour: Mapped[float | None] = mapped_column(Float)
     seconds: Mapped[float] = mapped_column(Float, default=0.0)
     spend_usd: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+from orchestrator.server import ctlschema  # noqa: E402,F401  (the controllers' ctl_* tables on Base.metadata)
