@@ -71,19 +71,24 @@ def preflight() -> str | None:
 
 
 def runpod_wheels(log=print) -> None:
-    stamp = RUNPOD_WHEELS / "STAMP"
-    if stamp.is_file() and stamp.read_text().strip() == json.dumps(RUNPOD_REQS):
+    wheels(RUNPOD_REQS, RUNPOD_WHEELS, "runpod", log=log)
+
+
+def wheels(reqs: list[str], dest: Path, what: str, log=print) -> None:
+    """One resolve of ``reqs`` into the wheelhouse ``dest`` (sdists built), once per requirement set."""
+    stamp = dest / "STAMP"
+    if stamp.is_file() and stamp.read_text().strip() == json.dumps(reqs):
         return
     t0 = time.monotonic()
-    shutil.rmtree(RUNPOD_WHEELS, ignore_errors=True)
-    RUNPOD_WHEELS.mkdir(parents=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(RUNPOD_WHEELS), *RUNPOD_REQS], check=True)
-    for sdist in list(RUNPOD_WHEELS.glob("*.tar.gz")) + list(RUNPOD_WHEELS.glob("*.zip")):  # gpustat: an sdist only
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(RUNPOD_WHEELS), str(sdist)],
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(dest), *reqs], check=True)
+    for sdist in list(dest.glob("*.tar.gz")) + list(dest.glob("*.zip")):  # gpustat: an sdist only
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), str(sdist)],
                        check=True)
         sdist.unlink()
-    stamp.write_text(json.dumps(RUNPOD_REQS))
-    log(f"runpod wheels in {time.monotonic() - t0:.1f} s at {RUNPOD_WHEELS}")
+    stamp.write_text(json.dumps(reqs))
+    log(f"{what} wheels in {time.monotonic() - t0:.1f} s at {dest}")
 
 
 def write_home() -> None:

@@ -37,6 +37,7 @@ import shutil
 import socket
 import subprocess
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from tests.e2e.clouds.lambdalab import node as lnode
@@ -53,6 +54,24 @@ PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 def pod_ip(n: int) -> str:
     return f"10.78.0.{n}"
+
+
+@dataclass(frozen=True)
+class Net:
+    """Where a lab's pods live: netns/veth prefixes, bridge, its host address, a pod's address
+    (another lab, e.g. the Vast lab, has its own and passes them to :func:`up`)."""
+
+    netns_prefix: str
+    veth_prefix: str
+    bridge: str
+    host_ip: str
+    subnet: str  # "10.78.0": pod n is <subnet>.<n>
+
+    def ip(self, n: int) -> str:
+        return f"{self.subnet}.{n}"
+
+
+RUNPOD = Net(NETNS_PREFIX, VETH_PREFIX, BRIDGE, HOST_IP, "10.78.0")
 
 
 def ssh_port(n: int) -> int:
@@ -97,10 +116,10 @@ E="$R/etc"
 echo "$POD_HOST" > "$E/hostname"
 printf '127.0.0.1 localhost\n%s %s\n' "$POD_IP" "$POD_HOST" > "$E/hosts"
 rm -f "$E/resolv.conf"; echo 'nameserver 127.0.0.1' > "$E/resolv.conf"
-printf '[global]\nno-index = true\nfind-links =\n    %s/wheelhouse\n    %s/runpod/wheelhouse\n' "$CACHE" "$CACHE" > "$E/pip.conf"
+printf '[global]\nno-index = true\nfind-links =\n    %s/wheelhouse\n    %s\n' "$CACHE" "$EXTRA_WHEELS" > "$E/pip.conf"
 rm -rf "$E/xdg/pip"
 mkdir -p "$E/uv"
-printf 'no-index = true\nfind-links = ["%s/wheelhouse", "%s/runpod/wheelhouse"]\npython-downloads = "never"\n' "$CACHE" "$CACHE" > "$E/uv/uv.toml"
+printf 'no-index = true\nfind-links = ["%s/wheelhouse", "%s"]\npython-downloads = "never"\n' "$CACHE" "$EXTRA_WHEELS" > "$E/uv/uv.toml"
 mkdir -p "$E/ssh/sshd_config.d"
 printf 'UseDNS no\nUsePAM no\nPidFile /run/sshd.pid\nPasswordAuthentication no\n' > "$E/ssh/sshd_config.d/dtlab.conf"
 rm -f "$E/ssh/ssh_host_"*   # the image's host keys: made by the pod's own `ssh-keygen -A`
@@ -136,19 +155,23 @@ def root_layer(lab_dir: Path) -> Path:
     return layer
 
 
-def up(lab_dir: Path, n: int, pod_id: str, docker_args: str, env: dict[str, str], log_path: Path) -> int:
-    """Create pod ``n`` and start its main process (``dockerArgs``); returns the launcher's PID."""
-    ns, veth, ip = f"{NETNS_PREFIX}{n}", f"{VETH_PREFIX}{n}", pod_ip(n)
+def up(lab_dir: Path, n: int, pod_id: str, docker_args: str, env: dict[str, str], log_path: Path,
+       net: Net = RUNPOD, wheels: str = "runpod", stdin: bytes | None = None) -> int:
+    """Create pod ``n`` and start its main process (``dockerArgs``); returns the launcher's PID.
+    ``net``/``wheels`` (the cache's ``<wheels>/wheelhouse`` beside the shared one): another lab's;
+    ``stdin``: written to the main process's standard input (then closed)."""
+    ns, veth, ip = f"{net.netns_prefix}{n}", f"{net.veth_prefix}{n}", net.ip(n)
     lnode.sh(f"ip netns add {ns}")
     lnode.sh(f"ip link add {veth} type veth peer name eth0 netns {ns}")
-    lnode.sh(f"ip link set {veth} master {BRIDGE} up")
+    lnode.sh(f"ip link set {veth} master {net.bridge} up")
     lnode.sh(f"ip -n {ns} link set lo up && ip -n {ns} addr add {ip}/24 dev eth0 && "
-             f"ip -n {ns} link set eth0 up && ip -n {ns} route add default via {HOST_IP}")
+             f"ip -n {ns} link set eth0 up && ip -n {ns} route add default via {net.host_ip}")
     pod_dir = lab_dir / "pods" / str(n)
     pod_dir.mkdir(parents=True, exist_ok=True)
     hide = " ".join(shlex.quote(str(p)) for p in {REPO.parent if REPO.parent != Path("/") else REPO, lab_dir.parent if lab_dir.parent != Path("/") else lab_dir})
     init_env = {"PATH": PATH, "POD_HOST": pod_id, "POD_IP": ip, "POD_DIR": str(pod_dir),
-                "ROOT_LAYER": str(root_layer(lab_dir)), "IMAGE_USR": str(image_usr(lab_dir)), "CACHE": str(runtime.CACHE), "HIDE": hide}
+                "ROOT_LAYER": str(root_layer(lab_dir)), "IMAGE_USR": str(image_usr(lab_dir)), "CACHE": str(runtime.CACHE), "HIDE": hide,
+                "EXTRA_WHEELS": str(runtime.CACHE / wheels / "wheelhouse")}
     pod_env = {"HOME": "/root", "PATH": PATH, "LANG": "C.UTF-8", "HOSTNAME": pod_id,
                "PIP_BREAK_SYSTEM_PACKAGES": "1", **env}  # the image's pip installs into its python
     argv = ["/usr/bin/tini", "-s", "--", "/usr/bin/env", "-i",
@@ -156,8 +179,11 @@ def up(lab_dir: Path, n: int, pod_id: str, docker_args: str, env: dict[str, str]
     with open(log_path, "ab") as log:
         p = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "--pid", "--uts", "--fork",
                               "--mount-proc", "--propagation", "private", "bash", "-c", INIT, "init", *argv],
-                             env=init_env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True, cwd="/")
+                             env=init_env, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd="/")
+    if stdin is not None:
+        p.stdin.write(stdin)
+        p.stdin.close()
     return p.pid
 
 
@@ -170,11 +196,11 @@ def down(lab_dir: Path, n: int, launcher_pid: int | None = None) -> None:
 class Forwarder:
     """``HOST_IP:port`` → ``target:22``: RunPod's public port mapping for a pod's SSH."""
 
-    def __init__(self, port: int, target: str):
+    def __init__(self, port: int, target: str, host: str = HOST_IP):
         self.target = target
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((HOST_IP, port))
+        self.sock.bind((host, port))
         self.sock.listen(64)
         self.conns: list[socket.socket] = []
         self.closed = False
