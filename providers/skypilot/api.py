@@ -97,6 +97,9 @@ LAUNCHED_PRICES: dict[str, float] = {}
 """cluster → USD per hour of what SkyPilot launched (its ``launched_resources`` priced from the
 catalog it launched from: spot or on-demand, region, nodes), for the launch's ``Handle``."""
 _PRICES_LOCK = threading.Lock()
+LAUNCHED_NAMES: dict[str, str] = {}
+"""cluster → SkyPilot's name for it on the cloud (its handle's ``cluster_name_on_cloud``: the
+Vast instance is labelled ``<that>-head``), under ``_PRICES_LOCK``."""
 
 
 def launched_price_per_hour(handle: Any) -> float | None:
@@ -181,10 +184,25 @@ class SkyAPI:
                                 down=True, retry_until_up=False)
         job_id, handle = sky.get(request_id)
         price = launched_price_per_hour(handle)
-        if price is not None:
-            with _PRICES_LOCK:
+        with _PRICES_LOCK:
+            if price is not None:
                 LAUNCHED_PRICES[cluster_name] = price
+            on_cloud = getattr(handle, "cluster_name_on_cloud", None)
+            if on_cloud:
+                LAUNCHED_NAMES[cluster_name] = str(on_cloud)
         return job_id
+
+    def vast_instance(self, cluster_name: str) -> dict[str, Any] | None:
+        """The Vast instance SkyPilot rented for ``cluster_name`` (its REST row), None when this
+        process did not launch it or no key is readable (:mod:`providers.skypilot.vastcheck`)."""
+        from providers.skypilot import credentials, vastcheck
+
+        with _PRICES_LOCK:
+            on_cloud = LAUNCHED_NAMES.pop(cluster_name, None)
+        key = credentials.read_key("vast")
+        if not on_cloud or not key:
+            return None
+        return vastcheck.instance_row(on_cloud, key)
 
     def status(self, cluster_names: list[str] | None = None, refresh: bool = True) -> list[ClusterRecord]:
         self.ensure_server()

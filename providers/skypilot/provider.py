@@ -30,7 +30,7 @@ from providers.base import (
     Requirements,
 )
 from providers.skypilot import api as sky_api
-from providers.skypilot import catalog, credentials
+from providers.skypilot import catalog, credentials, vastcheck
 from providers.skypilot.api import SkyAPI
 from providers.skypilot.clouds import CLOUDS
 from providers.skypilot.errors import is_named, map_sky_error
@@ -144,8 +144,37 @@ class SkyPilotProvider(Provider):
             launched = sky_api.LAUNCHED_PRICES.pop(cluster, None)
         if launched is not None:
             data["launched_price_per_hour"] = round(launched, 6)  # what SkyPilot says it rented
+        if self.cloud == "vast":
+            data["vast_check"] = self._check_vast(cluster, offer)
         return Handle(provider=self.cloud, name=cluster, instance_id=cluster, region=offer.region,
                       launched_at=started, data=data)
+
+    def _check_vast(self, cluster: str, offer: Offer) -> str:
+        """SkyPilot 0.14.1's Vast search drops its filters (:mod:`providers.skypilot.vastcheck`):
+        the instance it rented is read back; not the offer's GPU, count or kind (bid/on-demand) →
+        destroyed at once and the offer refused. Returns what was checked, for the handle."""
+        look = getattr(self.api, "vast_instance", None)
+        if look is None:
+            return "unverified: this SkyPilot seam cannot read Vast instances"
+        try:
+            row = look(cluster)
+        except Exception as e:  # noqa: BLE001 - a read-back fault must not fail a launch that worked
+            return f"unverified: reading the instance back failed ({type(e).__name__})"
+        if row is None:
+            return "unverified: the instance is not listed"
+        why = vastcheck.mismatch(row, offer)
+        if why is None:
+            return f"ok: {row.get('num_gpus')}x {row.get('gpu_name')}, {'bid' if row.get('is_bid') else 'on-demand'}"
+        try:
+            self.api.down(cluster)
+        except Exception as e:
+            raise map_sky_error(e, self.cloud) from None
+        self._memo(cluster, terminated=True)
+        raise perr.NotSupported(
+            f"vast: SkyPilot 0.14.1 rented {why} for {offer.gpus_per_node}x {offer.gpu} "
+            f"({offer.instance_type or 'no instance type'}, {'spot' if offer.spot else 'on-demand'}): its Vast "
+            f"offer search sends no GPU filter (the vastai SDK drops quoted values) and rents the market's top "
+            f"offer; dtrun destroyed instance {row.get('id')} at once", provider=self.cloud)
 
     def poll(self, handle: Handle) -> NodeState:
         cluster = handle.data.get("cluster", handle.instance_id)
