@@ -47,12 +47,15 @@ def cmd_serve(host: str, port: int, database: str | None, tls_cert: str | None, 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = _engine(database)
     key = _server_key(engine)
-    app = create_app(engine)
+    from orchestrator.server.ctlstore import CtlStore
+
+    store = CtlStore(engine)  # the controllers' state store: the server database's ctl_* tables
+    app = create_app(engine, store=store)
     loop = None
     if controllers:
         from orchestrator.server.runner import ReplicaThread
 
-        loop = ReplicaThread(engine, secret_key=key).start()  # submitted jobs run here, with no CLI process alive
+        loop = ReplicaThread(engine, secret_key=key, store=store).start()  # submitted jobs run here, with no CLI process alive
     try:
         # access logs name the method and path only: the token travels in a header, never in the URL
         uvicorn.run(app, host=host, port=port, ssl_certfile=tls_cert, ssl_keyfile=tls_key, log_level="info",

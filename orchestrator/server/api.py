@@ -66,9 +66,12 @@ def _job_view(j: Job) -> dict[str, Any]:
 
 
 def create_app(engine: Engine, *, get: Callable[[str], Any] | None = None,
-               limiter: BadTokenLimiter | None = None) -> FastAPI:
+               limiter: BadTokenLimiter | None = None, store: Any = None) -> FastAPI:
     """The API over ``engine``'s database. ``get``: the provider by name for planning (default
-    ``providers.registry.get``)."""
+    ``providers.registry.get``). ``store``: the controllers' state store the dashboard and
+    ``/v1/gc`` read — ``dtrun server`` passes its replicas' ``CtlStore`` (the server database);
+    without one, this machine's ``$DTRUN_HOME/state.db`` (an API beside an in-process replica
+    on that file)."""
     app = FastAPI(title="dtrun server", docs_url=None, redoc_url=None, openapi_url=None)
     limiter = limiter or BadTokenLimiter()
     app.state.engine, app.state.limiter = engine, limiter
@@ -207,9 +210,9 @@ def create_app(engine: Engine, *, get: Callable[[str], Any] | None = None,
 
     from orchestrator.server.api_extra import add_extra_routes
 
-    add_extra_routes(app, engine, caller, get, ApiError)  # /v1/prices, /v1/simulate, /v1/gc
+    add_extra_routes(app, engine, caller, get, ApiError, store)  # /v1/prices, /v1/simulate, /v1/gc
 
     from orchestrator.server.dashboard_source import mount_dashboard
 
-    mount_dashboard(app, engine)  # the dashboard pages under /dashboard, scoped to the caller's team
+    mount_dashboard(app, engine, store=store)  # the dashboard pages under /dashboard, scoped to the caller's team
     return app

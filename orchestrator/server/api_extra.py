@@ -82,7 +82,7 @@ class GcBody(BaseModel):
 
 
 def add_extra_routes(app: FastAPI, engine: Engine, caller: Callable[..., tuple[int, int]],
-                     get: Callable[[str], Any] | None, ApiError: type) -> None:  # noqa: N803
+                     get: Callable[[str], Any] | None, ApiError: type, store: Any = None) -> None:  # noqa: N803
     """The routes on ``app``; ``caller``: the API's token check; ``ApiError``: its error
     (status, one line, extra fields), passed in so this module never imports the API back."""
     @app.get("/v1/prices")
@@ -137,7 +137,7 @@ def add_extra_routes(app: FastAPI, engine: Engine, caller: Callable[..., tuple[i
         mine = {n for n, t, _ in rows if t == who[1]}
         others = {n for n, t, _ in rows if t != who[1]}
         live = {n for n, _, st in rows if st not in TERMINAL}
-        return team_sweep(mine, others, admin, body, get, live=live)
+        return team_sweep(mine, others, admin, body, get, live=live, store=store)
 
 
 def _providers(names: list[str], get: Callable[[str], Any] | None) -> tuple[list[Any], dict[str, str]]:
@@ -159,7 +159,8 @@ def _providers(names: list[str], get: Callable[[str], Any] | None) -> tuple[list
 
 
 def team_sweep(mine: set[str], others: set[str], admin: bool, body: GcBody,
-               get: Callable[[str], Any] | None, live: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
+               get: Callable[[str], Any] | None, live: set[str] = frozenset(),  # type: ignore[assignment]
+               store: Any = None) -> dict[str, Any]:
     """The sweep of the server's state store as the caller's team may see it (see the module
     docstring); with ``body.terminate``, what it picks terminated (confirmed) first. ``live``: the
     server's jobs not ended: a recorded live node of one of them is never an orphan here, even when
@@ -168,7 +169,7 @@ def team_sweep(mine: set[str], others: set[str], admin: bool, body: GcBody,
     from orchestrator.run.state import ACTIVE_STATES, StateStore
     from orchestrator.run.sweep import find_orphans, gc_providers, terminate_orphans
 
-    store = StateStore()
+    store = store if store is not None else StateStore()  # the server's CtlStore, else $DTRUN_HOME's file
     provs = gc_providers(store)
     entries, errors = _providers(provs, get)
     rep = find_orphans(store, entries)

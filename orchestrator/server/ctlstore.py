@@ -8,11 +8,11 @@ the previous owner recorded: it re-attaches instead of launching again, and book
 spend row's ``billed_until`` (no gap, no double count). The embedded CLI keeps its SQLite file.
 
 Sharing the SQL. ``StateStore``'s methods run unchanged: their connection is :class:`_Conn`, which
-turns each statement into a SQLAlchemy ``text()`` — table names prefixed ``ctl_``, ``?`` into
-named binds; on PostgreSQL ``INSERT OR IGNORE`` becomes ``INSERT ... ON CONFLICT DO NOTHING`` and
+runs each statement on the store's own SQLAlchemy connection (``exec_driver_sql``) — table names
+prefixed ``ctl_``, ``?`` as the driver's placeholder; on PostgreSQL ``INSERT OR IGNORE`` becomes ``INSERT ... ON CONFLICT DO NOTHING`` and
 an insert that needs its new id says ``RETURNING id``.
 
-Locking under several replicas. Each write is one transaction (``engine.begin()``). Where the
+Locking under several replicas. Each write is one transaction on the store's connection. Where the
 SQLite store relies on ``BEGIN IMMEDIATE`` to read-then-write atomically (``book_spend``,
 ``claim_controller``, ``request_action`` / ``pop_action``, ``create_job``), the read takes a row
 lock here (``SELECT ... FOR UPDATE``, ``StateStore._FOR_UPDATE``) on PostgreSQL; on a SQLite server
@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any, Iterable
 
-from sqlalchemy import inspect, text
+from sqlalchemy import inspect
 from sqlalchemy.engine import Engine
 
 from orchestrator.run.state import HOST, StateStore, StateStoreError
@@ -77,7 +77,7 @@ class _Conn:
 
     def execute(self, sql: str, args: Iterable[Any] = ()) -> _Result:
         stmt, params, returning = translate(sql, args, self.pg)
-        res = self.conn.execute(text(stmt), params)
+        res = self.conn.exec_driver_sql(stmt, params)
         if returning:
             return _Result([], int(res.scalar_one()))
         if not res.returns_rows:
@@ -85,8 +85,8 @@ class _Conn:
         return _Result([_Row(m) for m in res.mappings().all()])
 
 
-def translate(sql: str, args: Iterable[Any], pg: bool) -> tuple[str, dict[str, Any], bool]:
-    """One ``StateStore`` statement as ``text()`` SQL for the ``ctl_*`` tables, its binds, and
+def translate(sql: str, args: Iterable[Any], pg: bool) -> tuple[str, tuple, bool]:
+    """One ``StateStore`` statement as the driver's SQL for the ``ctl_*`` tables, its values, and
     whether it returns the new row's id."""
     sql = _TABLE.sub(lambda m: f"{m[1]} ctl_{m[2]}", sql)
     if pg and sql.startswith("INSERT OR IGNORE"):
@@ -94,12 +94,10 @@ def translate(sql: str, args: Iterable[Any], pg: bool) -> tuple[str, dict[str, A
     returning = sql.startswith("INSERT INTO ctl_nodes")
     if returning:
         sql += " RETURNING id"
-    vals = [int(v) if isinstance(v, bool) else v for v in args]
-    parts = sql.split("?")
-    if len(parts) - 1 != len(vals):
-        raise ValueError(f"{len(parts) - 1} placeholders, {len(vals)} values: {sql}")
-    out = parts[0] + "".join(f":p{i}{p}" for i, p in enumerate(parts[1:]))
-    return out, {f"p{i}": v for i, v in enumerate(vals)}, returning
+    vals = tuple(int(v) if isinstance(v, bool) else v for v in args)
+    if sql.count("?") != len(vals) or "%" in sql:
+        raise ValueError(f"{sql.count('?')} placeholders, {len(vals)} values: {sql}")
+    return (sql.replace("?", "%s") if pg else sql), vals, returning
 
 
 class CtlStore(StateStore):
@@ -118,6 +116,28 @@ class CtlStore(StateStore):
             raise StateStoreError(f"the server database {self.path} has no ctl_jobs table: "
                                   f"run `dtrun server migrate` (or start `dtrun server`, which migrates)")
 
+    def _connection(self, reads: bool = False) -> Any:
+        """The store's own connection (held: no pool checkout per statement), made again after an
+        error; on PostgreSQL reads use a second one in autocommit (one round trip, no BEGIN)."""
+        key = "_rc" if reads and self._pg else "_wc"
+        conn = getattr(self, key, None)
+        if conn is None or conn.closed or conn.invalidated:
+            conn = self.engine.connect()
+            if key == "_rc":
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            setattr(self, key, conn)
+        return conn
+
+    def _drop(self) -> None:
+        for key in ("_rc", "_wc"):
+            conn = getattr(self, key, None)
+            setattr(self, key, None)
+            if conn is not None:
+                try:
+                    conn.close()
+                except Exception:  # already broken: nothing to give back
+                    pass
+
     class _CtlTx:
         def __init__(self, store: "CtlStore") -> None:
             self.s = store
@@ -125,15 +145,23 @@ class CtlStore(StateStore):
         def __enter__(self) -> _Conn:
             self.s._lock.acquire()
             try:
-                self.cm = self.s.engine.begin()
-                return _Conn(self.cm.__enter__(), self.s._pg)
+                conn = self.s._connection()
+                self.tx = conn.begin()
+                return _Conn(conn, self.s._pg)
             except BaseException:
+                self.s._drop()
                 self.s._lock.release()
                 raise
 
         def __exit__(self, et, ev, tb) -> None:
             try:
-                self.cm.__exit__(et, ev, tb)
+                if et is None:
+                    self.tx.commit()
+                else:
+                    self.tx.rollback()
+            except BaseException:
+                self.s._drop()
+                raise
             finally:
                 self.s._lock.release()
 
@@ -141,11 +169,20 @@ class CtlStore(StateStore):
         return CtlStore._CtlTx(self)
 
     def _read(self, sql: str, args: Iterable[Any] = ()) -> list[dict]:
-        with self._write() as c:  # one short transaction: reads a committed snapshot
-            return [dict(r) for r in c.execute(sql, args).fetchall()]
+        if not self._pg:  # SQLite: a short transaction like a write (the engine begins IMMEDIATE)
+            with self._write() as c:
+                return [dict(r) for r in c.execute(sql, args).fetchall()]
+        with self._lock:
+            try:
+                return [dict(r) for r in _Conn(self._connection(reads=True), True).execute(sql, args).fetchall()]
+            except BaseException:
+                self._drop()
+                raise
 
     def close(self) -> None:
-        """Nothing to close: the engine is the server's."""
+        """Give the store's connections back (the engine is the server's: left open)."""
+        with self._lock:
+            self._drop()
 
     def claim_controller(self, name: str, pid: int | None = None, host: str = HOST,
                          log: str | None = None) -> bool:

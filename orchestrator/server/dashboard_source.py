@@ -239,9 +239,10 @@ def login_router(engine: Engine, limiter: BadTokenLimiter) -> APIRouter:
     return r
 
 
-def mount_dashboard(app: FastAPI, engine: Engine, store_path: str | None = None) -> None:
+def mount_dashboard(app: FastAPI, engine: Engine, store_path: str | None = None, store: Any = None) -> None:
     """Serve the dashboard under ``/dashboard`` of the API app (``create_app``), over the store the
-    server's controller replicas write (``store_path``; default ``$DTRUN_HOME/state.db``)."""
+    server's controller replicas write: ``store`` (``dtrun server``: the ``CtlStore`` in the server
+    database), else the file ``store_path`` (default ``$DTRUN_HOME/state.db``)."""
     limiter = getattr(app.state, "limiter", None) or BadTokenLimiter()
     opened: list[StateStore] = []
     lock = threading.Lock()
@@ -249,7 +250,7 @@ def mount_dashboard(app: FastAPI, engine: Engine, store_path: str | None = None)
     def get_store() -> StateStore:  # opened on the first dashboard request, not when the app is made
         with lock:
             if not opened:
-                opened.append(StateStore(store_path))
+                opened.append(store if store is not None else StateStore(store_path))
             return opened[0]
 
     app.include_router(login_router(engine, limiter))

@@ -15,12 +15,23 @@ Fencing and launches: a replica ticks a job only right after renewing its lease,
 more than half the lease's TTL is left; a tick (launches run in a worker thread the tick waits on
 for at most ``launch_wait_seconds``) must take less than that. A replica paused longer than that
 between renew and tick is the case this does not cover (the launch itself is not fenced by the
-provider). The controllers' state store stays the SQLite file of ``orchestrator.run.state`` under
-``$DTRUN_HOME``: replicas sharing it must share one machine (or one file system with working
-locks); moving attempts/nodes/spend into the server database is the next step.
+provider).
 
-While another replica is healthy a replica claims nothing of its jobs: it renews its own leases
-and polls for free or expired ones every tick.
+The controllers' state store. ``dtrun server`` gives every replica a
+``orchestrator.server.ctlstore.CtlStore``: the jobs' controller rows, attempts, nodes (provider
+handles), events and spend rows live in the server database (``ctl_*`` tables), so replicas on
+different machines share them through the database alone — nothing in a replica's own
+``$DTRUN_HOME``. A replica that takes a job over records itself as its controller
+(``CtlStore.adopt``: the lease, not a pid, says who runs it), finds the attempt and the node the
+dead owner recorded, re-attaches to it (no second launch) and books on from that attempt's
+``billed_until``. Any ``StateStore`` works here too (the tests give one SQLite file to replicas
+of one machine). Store reads happen outside the replica's own server-database transactions: on a
+SQLite server database the store's transaction would wait on the replica's (one writer).
+
+While another replica is healthy a replica claims nothing of its jobs: it renews the leases it
+holds and polls for free or expired ones every tick — one ``SKIP LOCKED`` query — and builds no
+controller, so it reads nothing of those jobs and launches nothing. A job is adopted within one
+lease TTL (``leases.TTL_S``, 15 s) of its owner's last renew, plus at most one tick.
 
 Team credentials: each controller's launcher gets the job's team's decrypted secrets at launch
 time (``orchestrator.server.teamsecrets.team_node_storage``), never the server's environment.
@@ -92,6 +103,8 @@ class Replica:
                 plan = self.make_plan(spec) if self.make_plan else None
                 ctl = self.controllers[jid] = Controller(spec, self.store, clock=self.clock, providers=self.providers,
                                                          plan=plan, **self.controller_kw)
+                if hasattr(self.store, "adopt"):  # the server database's store: the lease says it is ours now
+                    self.store.adopt(ctl.name, ctl.pid)
                 self.team_of[jid] = specs[jid][2]
                 ctl.launcher.storage = self._team_storage(specs[jid][2])
             try:
@@ -103,22 +116,28 @@ class Replica:
         self.request_actions()
 
     def _write_back(self, jid: int, epoch: int, ctl: Controller, state: str | None, err: str | None) -> None:
+        # the store is read before the server's transaction opens: on a SQLite server database the
+        # store's own transaction would wait on that one (one writer at a time)
+        row = (self.store.get_job(ctl.name) or {}) if err is None else {}
+        spent = self.store.spend_total(ctl.name) if err is None else 0.0
+        burn = ctl.burn_per_hour() if err is None and state not in TERMINAL_STATES else 0.0
+        att = ctl.current_attempt() if err is None else None
+        atts = self.store.attempts(ctl.name) if err is None else []
+        spend = {r["attempt"]: r for r in self.store.spend_by_attempt(ctl.name)} if err is None else {}
         try:
             with session_scope(self.engine) as s, leases.fenced(s, self.id, jid, epoch) as job:
                 if err is not None:
                     add_event(s, job, "error", f"{self.id}: tick failed: {err}")
                     return
-                row = self.store.get_job(ctl.name) or {}
                 new = _STATE.get(state or "", job.state)
                 if new != job.state:
                     add_event(s, job, "state", f"{new} ({row.get('reason') or state})")
                 job.state, job.reason = new, row.get("reason")
-                job.spend_usd = self.store.spend_total(ctl.name)
-                job.price_per_hour = ctl.burn_per_hour() if state not in TERMINAL_STATES else 0.0
+                job.spend_usd = spent
+                job.price_per_hour = burn
                 job.booked_until = self.clock.now()
-                att = ctl.current_attempt()
                 job.attempt = att["n"] if att else 0
-                seen = self._sync_attempts(s, jid, ctl.name)
+                seen = self._sync_attempts(s, jid, atts, spend)
                 if state in TERMINAL_STATES:
                     leases.release(s, self.id, jid, epoch)
         except leases.LeaseLost:
@@ -135,13 +154,11 @@ class Replica:
         self.team_of.pop(jid, None)
         self._attempts_seen.pop(jid, None)
 
-    def _sync_attempts(self, s: Any, jid: int, name: str) -> tuple | None:
+    def _sync_attempts(self, s: Any, jid: int, atts: list[dict], spend: dict[int, dict]) -> tuple | None:
         """Copy the job's attempts (outcome, booked spend) from the controllers' state store into the
         server's ``attempts`` table, so ``dtrun cost`` through the server shows them from any laptop;
         written only when an attempt's state, outcome or booked cents changed. Returns what was
-        written (None: nothing new)."""
-        atts = self.store.attempts(name)
-        spend = {r["attempt"]: r for r in self.store.spend_by_attempt(name)}
+        written (None: nothing new). ``atts``, ``spend``: read from the store by the caller."""
         key = tuple((a["n"], a["state"], a.get("outcome"), round(float((spend.get(a["n"]) or {}).get("usd") or 0), 2),
                      bool((spend.get(a["n"]) or {}).get("closed"))) for a in atts)
         if self._attempts_seen.get(jid) == key:
@@ -193,8 +210,13 @@ class Replica:
 
     def request_actions(self) -> None:
         """Pass ``request_stop`` from the server's rows to the controllers' store (read each tick)."""
+        started = [j for j, c in self.controllers.items() if c.started]
         with session_scope(self.engine) as s:
-            started = [j for j, c in self.controllers.items() if c.started]
-            for job in s.scalars(select(Job).where(Job.id.in_(started), Job.requested_action.is_not(None))):
-                self.store.request_action(job.spec["name"], job.requested_action)
-                job.requested_action = None
+            asked = [(j.id, j.spec["name"], j.requested_action) for j in s.scalars(
+                select(Job).where(Job.id.in_(started), Job.requested_action.is_not(None)))]
+        for jid, name, action in asked:  # into the store first, then cleared: a crash between repeats it
+            self.store.request_action(name, action)
+            with session_scope(self.engine) as s:
+                job = s.get(Job, jid)
+                if job is not None and job.requested_action == action:
+                    job.requested_action = None

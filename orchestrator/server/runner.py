@@ -1,7 +1,9 @@
 """The controller loop inside ``dtrun server``: one :class:`~orchestrator.server.replica.Replica`
 ticked every few seconds in a thread beside the HTTP API, so a job submitted through the API is
 launched, watched and recovered by the server with no CLI process alive. A second ``dtrun server``
-on the same database is a second replica: it claims only free or expired leases.
+on the same database — on this machine or another — is a second replica: it claims only free or
+expired leases, and finds every job's attempts, nodes and spend in the database
+(``orchestrator.server.ctlstore``), nothing in its own ``$DTRUN_HOME``.
 
 On shutdown the loop stops between ticks; the jobs' leases then expire and another replica (or this
 one, restarted) adopts them and re-attaches to their live nodes.
@@ -20,11 +22,12 @@ TICK_SECONDS = 5.0
 
 
 class ReplicaThread:
-    def __init__(self, engine: Any, tick_seconds: float = TICK_SECONDS, **replica_kw: Any) -> None:
-        from orchestrator.run.state import StateStore
+    def __init__(self, engine: Any, tick_seconds: float = TICK_SECONDS, store: Any = None, **replica_kw: Any) -> None:
+        from orchestrator.server.ctlstore import CtlStore
         from orchestrator.server.replica import Replica
 
-        self.replica = Replica(engine, StateStore(), providers={}, tick_seconds=tick_seconds, **replica_kw)
+        store = store if store is not None else CtlStore(engine)  # the controllers' rows: in the server database
+        self.replica = Replica(engine, store, providers={}, tick_seconds=tick_seconds, **replica_kw)
         self.tick_seconds = tick_seconds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"dtrun-{self.replica.id}", daemon=True)

@@ -1,6 +1,8 @@
 """One controller replica as its own process, for the SIGKILL race test (not a test file):
-``python replica_proc.py DB_URL STATE_DB CLOUD_FILE REPLICA_ID``. Ticks every 0.1 s on the real
-clock against the file-backed fake cloud until killed."""
+``python replica_proc.py DB_URL CLOUD_FILE REPLICA_ID``. Its controllers' state store is the
+server database's (``CtlStore``), as in ``dtrun server``: the process shares nothing with the
+other replicas but the database (and the fake cloud). Ticks every 0.1 s on the real clock
+against the file-backed fake cloud until killed."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import sys
 import time
 
 from orchestrator.contract import runuri
-from orchestrator.run.state import StateStore
+from orchestrator.server.ctlstore import CtlStore
 from orchestrator.server.db import make_engine
 from orchestrator.server.replica import Replica
 from providers.fake import FakeProvider
@@ -28,9 +30,10 @@ def sim_trainer(inst, now):
     return None
 
 
-def main(db_url: str, state_db: str, cloud_file: str, replica_id: str) -> None:
+def main(db_url: str, cloud_file: str, replica_id: str) -> None:
     cloud = FakeProvider(cloud_file, workload=sim_trainer)
-    r = Replica(make_engine(db_url), StateStore(state_db), {"fake": cloud}, replica_id=replica_id, ttl=1.5,
+    engine = make_engine(db_url)
+    r = Replica(engine, CtlStore(engine), {"fake": cloud}, replica_id=replica_id, ttl=1.5,
                 max_jobs=3, write_lease=False)
     while True:
         r.tick()
@@ -38,4 +41,4 @@ def main(db_url: str, state_db: str, cloud_file: str, replica_id: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:4])

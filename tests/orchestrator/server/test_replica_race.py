@@ -1,7 +1,9 @@
 """Replicas racing for jobs on the fake cloud, on SQLite and real PostgreSQL: N replicas tick M
 jobs on a virtual clock, replicas are killed at random (dropped between ticks, nothing torn
 down — what SIGKILL leaves) and replaced; every job must finish, each attempt launched exactly
-once (one fake instance per attempt name), and the spend booked equal the fake cloud's bill."""
+once (one fake instance per attempt name), and the spend booked equal the fake cloud's bill —
+with the controllers' state store one SQLite file all replicas share (one machine), and in the
+server database (``CtlStore``), each replica with its own engine and store (one machine each)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from orchestrator.contract import runuri
 from orchestrator.plan.spec import spec_to_yaml, parse_spec
 from orchestrator.run.clock import VirtualClock
 from orchestrator.run.state import StateStore
+from orchestrator.server.ctlstore import CtlStore
 from orchestrator.server.db import make_engine, session_scope
 from orchestrator.server.jobs import submit_job
 from orchestrator.server.migrate import upgrade
@@ -49,17 +52,18 @@ def spec_dict(tmp_path, i):
     }
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_replicas_killed_at_random_finish_every_job_once_with_spend_equal_to_the_bill(tmp_path, db_url, seed):
+@pytest.mark.parametrize("seed,where", [(1, "file"), (2, "file"), (1, "database"), (2, "database")])
+def test_replicas_killed_at_random_finish_every_job_once_with_spend_equal_to_the_bill(tmp_path, db_url, seed, where):
     rng = random.Random(seed)
     clock = VirtualClock()
     cloud = FakeProvider(clock=clock, offers=[FakeOfferTemplate("fake-east", "H100", True, 1.0)],
                          provision_seconds=60, autodown_seconds=None, workload=sim_trainer)
     for i in range(0, 6, 2):  # half the jobs are preempted once: a second attempt, maybe by another owner
         cloud.script(f"dtrun-race{i}-a1", preempt_after=600 + 200 * i)
-    store = StateStore(tmp_path / "state.db")
     engine = make_engine(db_url)
     upgrade(engine)
+    store = StateStore(tmp_path / "state.db") if where == "file" else CtlStore(engine)
+    engines = []
     m_jobs = 6
     with session_scope(engine) as s:
         team = Team(name="ml")
@@ -74,7 +78,11 @@ def test_replicas_killed_at_random_finish_every_job_once_with_spend_equal_to_the
             submit_job(s, team, user, spec["name"], spec, None)
 
     def new_replica(k):
-        return Replica(engine, store, {"fake": cloud}, clock, replica_id=f"r{k}", ttl=90.0, max_jobs=3,
+        own = store
+        if where == "database":  # another machine: its own engine and store, nothing shared but the database
+            engines.append(make_engine(db_url))
+            own = CtlStore(engines[-1])
+        return Replica(engine, own, {"fake": cloud}, clock, replica_id=f"r{k}", ttl=90.0, max_jobs=3,
                        write_lease=False)
 
     replicas = [new_replica(k) for k in range(3)]
@@ -105,6 +113,8 @@ def test_replicas_killed_at_random_finish_every_job_once_with_spend_equal_to_the
     assert booked > 0 and booked == pytest.approx(cloud.bill()["total_usd"], abs=0.01)
     assert booked == pytest.approx(sum(store.spend_total(f"race{i}") for i in range(m_jobs)), abs=1e-9)
     assert reattached
+    for e in engines:
+        e.dispose()
     engine.dispose()
 
 
