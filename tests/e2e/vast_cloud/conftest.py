@@ -28,3 +28,80 @@ def vs_lab():
     finally:
         left = lablib.stop(log=print)
         assert not any(left.values()), f"the Vast lab left: {left}"
+
+
+@pytest.fixture(scope="session")
+def vs_s3(vs_lab):
+    """moto S3 bound to the Vast bridge's host IP (the instances reach it there; nothing else does)."""
+    import uuid
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from tests.e2e.clouds.vastlab import machine
+
+    server = ThreadedMotoServer(ip_address=machine.NET.host_ip, port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    bucket = f"vslab-{uuid.uuid4().hex[:8]}"
+    s3.create_bucket(Bucket=bucket)
+
+    def get(key: str) -> bytes:
+        return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    try:
+        yield {"env": env, "bucket": bucket, "url": url, "get": get}
+    finally:
+        server.stop()
+
+
+JOB = """\
+name: {name}
+resources:
+  providers: [vast]
+  gpu: H100-SXM
+  gpus_per_node: 1
+  nodes: 1
+  spot: true
+trainer:
+  model: tiny
+  device: cpu  # the lab's instances have no GPU: a CPU rank on the H100-labelled instance, said explicitly
+  parallel: {{dp_shard: 1, tp: 1}}
+  steps: {steps}
+  batch_size: 8
+  seq_len: 64
+  data: synthetic
+  precision: fp32
+  lr: 0.003
+  warmup_steps: 5
+  log_every: 5
+  heartbeat_seconds: 1
+checkpoint:
+  uri: {uri}
+  every_steps: {every}
+  keep: 2
+budget:
+  max_usd: 30.0
+  max_hours: 1
+teardown:
+  idle_minutes: 10
+recovery:
+  poll_seconds: 5
+  heartbeat_timeout_seconds: 60
+  backoff_seconds: 1
+"""
+
+
+def job_yaml(tmp_path, name: str, uri: str, steps: int, every: int, local: bool = False) -> Path:
+    p = tmp_path / f"{name}.yaml"
+    text = JOB.format(name=name, steps=steps, every=every, uri=uri)
+    if local:
+        text = (text.replace("providers: [vast]", "providers: [local]").replace("gpu: H100-SXM", "gpu: cpu")
+                .replace("  spot: true\n", ""))
+    p.write_text(text)
+    return p

@@ -8,9 +8,10 @@ Emulated (``Authorization: Bearer <key>`` checked on every route; a wrong key is
 * ``GET/POST /api/v0/ssh/``: the account's keys (a list of ``{id, public_key, ...}``); Vast puts
   them in every new instance's ``/root/.ssh/authorized_keys``.
 * ``POST /api/v0/bundles/``: the market. Every filter the body carries is applied (``eq neq gt
-  gte lt lte in notin``; a field an offer lacks fails the filter), ``order`` honoured, ``limit``,
+  gte lt lte in notin``; values the SDK sends as strings compared as the field's type; a field an
+  offer lacks fails the filter), ``order`` honoured, ``limit``,
   ``type`` ``bid`` prices offers at their ``min_bid``. The market is the lab's SkyPilot Vast
-  catalog (one offer per row, ``dph_base`` = its price, ``min_bid`` = :data:`MIN_BID_FRACTION` ×)
+  catalog (two machines per row, ``dph_base`` = its price, ``min_bid`` = :data:`MIN_BID_FRACTION` ×)
   plus offers the SDK's chunking drops (under 32 cores); the highest ``score`` is deliberately
   not an H100, so renting "the top offer" of an unfiltered search is visibly the wrong GPU.
   ``dph_total`` includes ``allocated_storage`` × ``storage_cost``, as Vast's does.
@@ -74,13 +75,27 @@ def market(catalog: Path) -> list[dict]:
         info = ast.literal_eval(r["GpuInfo"]) if r.get("GpuInfo") else {}
         mib = int(info.get("Gpus", [{}])[0].get("MemoryInfo", {}).get("SizeInMiB", 24576))
         geo = ", ".join(p.strip() for p in r["Region"].split(",")[:2] if p.strip())
-        offers.append(_offer(100 + i, gpu, n, mib, 32 * n if n > 1 else 48, 65536 * n + 1024, float(r["Price"]), geo,
-                             score=400.0 - i))
+        for m in (0, 1):  # two machines per row, adjacent in score (another one after an outbid)
+            offers.append(_offer(100 + 2 * i + m, gpu, n, mib, 32 * n if n > 1 else 48, 65536 * n + 1024,
+                                 float(r["Price"]), geo, score=400.0 - i - 0.5 * m))
     # the top of the whole market: an RTX 4090 (what an unfiltered search rents), above them a
     # 16-core RTX 3090 box (dropped by the SDK's chunking: fewer than 32 cores)
     offers.append(_offer(90, TOP_GPU, 1, 24564, 64, 129024, 0.45, "Nevada, US", score=800.0))
     offers.append(_offer(91, "RTX 3090", 1, 24576, 16, 32768, 0.22, "Ohio, US", score=900.0))
     return offers
+
+
+def _like(val, have):
+    """A query value as the server reads it: the SDK sends numbers and booleans as strings
+    (``inet_down >= 100`` → ``{"gte": "100"}``); compared as the field's type."""
+    if isinstance(val, str) and not isinstance(have, str):
+        if isinstance(have, bool):
+            return val.lower() == "true"
+        try:
+            return float(val)
+        except ValueError:
+            return val
+    return val
 
 
 def _offer(oid: int, gpu: str, n: int, gpu_mib: int, cores: int, ram_mb: int, price: float, geo: str,
@@ -126,6 +141,8 @@ class Cloud:
                 base = o["min_bid"] if q.get("type") == "bid" else o["dph_base"]
                 row["dph_total"] = round(base + per_hour_storage, 6)
                 row["storage_total_cost"] = round(per_hour_storage, 6)
+                row["search"] = {"totalHour": row["dph_total"], "gpuCostPerHour": base,
+                                 "diskHour": round(per_hour_storage, 6)}  # what SkyPilot's fetch_vast reads
                 if all(self._match(row, k, v) for k, v in q.items() if k not in _SPECIAL):
                     out.append(row)
         for field, direction in reversed(q.get("order") or []):
@@ -140,10 +157,12 @@ class Cloud:
             cond = {"eq": cond}
         if field not in row:
             return False
+        have = row[field]
         for op, val in cond.items():
             f = _OPS.get(op)
+            val = [_like(v, have) for v in val] if isinstance(val, list) else _like(val, have)
             try:
-                if f is None or not f(row[field], val):
+                if f is None or not f(have, val):
                     return False
             except TypeError:
                 return False

@@ -11,7 +11,9 @@ is the environment of those processes (not of SSH logins: nothing writes ``/etc/
   process to ``10.79.0.<n>:22`` (Vast's proxy port: not 22).
 * the image: whatever ``image`` says, the host's Debian 12 as the RunPod lab's pods have it;
   pip/uv install from the runtime cache's wheelhouse and ``vast/wheelhouse`` (SkyPilot installs its
-  wheel as ``[vast, remote]``).
+  wheel as ``[vast, remote]``), and the image's pip installs into its python (``break-system-packages``
+  in ``/etc/pip.conf``: every SSH login too, as a conda image's pip would; the RunPod lab gets the
+  same from the environment RunPod's init freezes into logins, which Vast has no equivalent of).
 
 Not emulated: Docker (no image is pulled, ``extra``/``args``/``runtype`` are ignored), GPUs (labels
 only), a stopped instance's disk (a restart boots a fresh root and runs ``onstart`` again, where
@@ -32,6 +34,7 @@ PORT_BASE = 42000
 
 MAIN = r"""
 cat > /root/onstart.sh
+printf 'break-system-packages = true\n' >> /etc/pip.conf  # the image's pip installs into its python, as conda's would
 mkdir -p /run/sshd /root/.ssh && chmod 700 /root/.ssh
 printf '%s\n' "$VAST_LAB_ACCOUNT_KEYS" >> /root/.ssh/authorized_keys && chmod 600 /root/.ssh/authorized_keys
 ssh-keygen -A >/dev/null 2>&1

@@ -1,0 +1,69 @@
+"""A dtrun spot job on the Vast lab, through the real dtrun CLI and SkyPilot 0.14.1's API server
+(started with ``VAST_URL``): dtrun's live prices from the lab (SkyPilot's ``fetch_vast`` + dtrun's
+bid search), its quoted bid passed as ``vast.create_instance_kwargs.price``, an interruptible
+instance at that bid, the rented instance read back (:mod:`providers.skypilot.vastcheck`), the
+job SUCCEEDED and the bill against ``dtrun cost``.
+
+SkyPilot rents the top offer of the whole market whatever the job asked for (its search carries
+no GPU filter): the test takes every other GPU off the market so the top offer is the job's
+(an H100 SXM); with another GPU on top dtrun refuses the instance (tests/providers/test_vast_rented.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.e2e.clouds.vastlab import api as vapi
+from tests.e2e.clouds.vastlab import lab as lablib
+from tests.e2e.lambda_cloud.conftest import dtrun, dtrun_up_running
+from tests.e2e.vast_cloud.conftest import job_yaml
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+
+GPU = "H100 SXM"
+
+
+def test_dtrun_spot_on_vast_at_its_bid_on_the_gpu_it_quoted(vs_lab, vs_s3, tmp_path):
+    env = {**vs_lab, **vs_s3["env"], "DTRUN_HOME": str(tmp_path / "dtrun-home")}
+    name, steps = "vs-ok", 30
+    prices = json.loads(dtrun(["prices", "H100", "--refresh", "--spot", "--json"], env, timeout=600).stdout)
+    catalog = lablib.home() / ".sky" / "catalogs" / "v8" / "vast" / "vms.csv"
+    others = sorted({o["gpu_name"] for o in vapi.market(catalog)} - {GPU})
+    for g in others:  # the market's top offer becomes the job's GPU
+        lablib.call("capacity", {"gpu": g, "on": False})
+    job = job_yaml(tmp_path, name, f"s3://{vs_s3['bucket']}/{{name}}", steps=steps, every=10)
+    t0 = time.monotonic()
+    with dtrun_up_running(job, env) as proc:
+        out, _ = proc.communicate(timeout=1500)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, out[-5000:]
+    st = json.loads(dtrun(["status", name, "--json"], env).stdout)
+    assert st["state"] == "SUCCEEDED", st
+    assert json.loads(vs_s3["get"](f"{name}/DONE"))["step"] == steps
+    rows = [b for b in lablib.call("bill")["instances"] if (b["label"] or "").startswith(f"dtrun-{name}-")]
+    assert len(rows) == 1, rows
+    [b] = rows
+    cost = json.loads(dtrun(["cost", name, "--json"], env).stdout)
+    quoted = [(a["attempt"], a["outcome"], a["usd"]) for a in cost["attempts"]]
+    # an interruptible bid at the price dtrun quoted, on the GPU it quoted, destroyed at the end
+    assert b["interruptible"] and b["gpu_name"] == GPU and b["num_gpus"] == 1, b
+    assert b["how"] == "destroyed" and not b["billing"], b
+    bid = b["price_per_hour"]
+    assert bid == pytest.approx(0.4 * 1.87, abs=1e-3), b  # the H100 SXM offers' min_bid: dtrun's bid rule
+    print(f"dtrun up → SUCCEEDED in {took:.0f} s; Vast lab bill ${b['usd']:.5f} (compute ${b['compute_usd']:.5f} at "
+          f"${bid}/h for {b['running_seconds']:.0f} s, storage ${b['storage_usd']:.6f} for {b['disk_gb']:.0f} GB "
+          f"over {b['exists_seconds']:.0f} s); dtrun cost ${cost['cost_usd']:.5f}; attempts {quoted}; "
+          f"prices refreshed: {str(prices)[:300]}")
+    # the Lambda lab's money rule (tests/e2e/lambda_cloud/conftest.py check_money): never under the
+    # bill (-5 %), at most 5 % over it plus what dtrun books before the instance request (SkyPilot's
+    # optimizer, its wheel build) and one poll; the bill here includes Vast's storage, which dtrun
+    # does not price (256 GB, SkyPilot's default disk: $0.05/h at $0.15/GB-month)
+    [a] = [a for a in cost["attempts"] if a["provider"] == "vast"]
+    booked_start = a["booked_until"] - a["seconds"]
+    pre_usd = max(0.0, b["created"] - booked_start) * bid / 3600
+    assert a["usd"] >= 0.95 * b["usd"], (a, b)
+    assert a["usd"] <= 1.05 * b["usd"] + pre_usd + 5 / 3600 * bid, (a, b, pre_usd)
+    print(f"dtrun booked {max(0.0, b['created'] - booked_start):.0f} s before the instance request; storage is "
+          f"{b['storage_usd'] / b['usd']:.1%} of the bill")
