@@ -67,3 +67,68 @@ def test_dtrun_spot_on_vast_at_its_bid_on_the_gpu_it_quoted(vs_lab, vs_s3, tmp_p
     assert a["usd"] <= 1.05 * b["usd"] + pre_usd + 5 / 3600 * bid, (a, b, pre_usd)
     print(f"dtrun booked {max(0.0, b['created'] - booked_start):.0f} s before the instance request; storage is "
           f"{b['storage_usd'] / b['usd']:.1%} of the bill")
+
+
+def test_dtrun_spot_on_vast_outbid_resumes_bit_identical(vs_lab, vs_s3, tmp_path):
+    """Outbid mid-run: the instance stopped without notice (``exited``, storage still billing);
+    SkyPilot's refresh says STOPPED, dtrun calls it a preemption, destroys the stopped instance
+    (not left billing storage), rents the next H100 SXM at its bid and resumes from the newest
+    COMMITTED step, ending bit-identical to an uninterrupted local run."""
+    from tests.e2e.waiting import wait_until
+
+    env = {**vs_lab, **vs_s3["env"], "DTRUN_HOME": str(tmp_path / "dtrun-home")}
+    name, steps = "vs-pre", 80
+    dtrun(["prices", "H100", "--refresh", "--spot", "--json"], env, timeout=600)
+    catalog = lablib.home() / ".sky" / "catalogs" / "v8" / "vast" / "vms.csv"
+    for g in sorted({o["gpu_name"] for o in vapi.market(catalog)} - {GPU}):
+        lablib.call("capacity", {"gpu": g, "on": False})
+    job = job_yaml(tmp_path, name, f"s3://{vs_s3['bucket']}/{{name}}", steps=steps, every=10)
+
+    def progress() -> dict:
+        try:
+            return json.loads(vs_s3["get"](f"{name}/progress.json"))
+        except Exception:  # noqa: BLE001 - not there yet
+            return {}
+
+    def mine() -> list[dict]:
+        return [i for i in lablib.call("status")["instances"] if (i["label"] or "").startswith(f"dtrun-{name}-")]
+
+    with dtrun_up_running(job, env) as proc:
+        wait_until(lambda: int(progress().get("step") or 0) >= 20 or proc.poll() is not None, 1200,
+                   "no step 20 on the Vast lab instance")
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        [i] = mine()
+        assert i["is_bid"] and i["gpu_name"] == GPU, i
+        t_out = time.monotonic()
+        assert lablib.call("outbid", {"name": i["label"]})["outbid"] == [i["label"]]
+        # dtrun destroys the stopped instance (it would bill storage for as long as it exists)
+        wait_until(lambda: not [j for j in mine() if j["id"] == i["id"]], 300,
+                   "the outbid instance of attempt 1 is still listed")
+        destroyed = time.monotonic() - t_out
+        wait_until(lambda: progress().get("attempt", 1) >= 2 and progress().get("step"), 1200,
+                   "no step from a second attempt")
+        resumed = time.monotonic() - t_out
+        out, _ = proc.communicate(timeout=1200)
+    assert proc.returncode == 0, out[-4000:]
+    st = json.loads(dtrun(["status", name, "--json"], env).stdout)
+    assert st["state"] == "SUCCEEDED" and st["attempts_total"] == 2, st
+    cost = json.loads(dtrun(["cost", name, "--json"], env).stdout)
+    outcomes = [a["outcome"] for a in sorted(cost["attempts"], key=lambda a: a["attempt"])]
+    assert outcomes == ["preempted", "succeeded"], cost["attempts"]
+    rows = sorted([b for b in lablib.call("bill")["instances"] if (b["label"] or "").startswith(f"dtrun-{name}-")],
+                  key=lambda b: b["created"])
+    assert [r["how"] for r in rows] == ["outbid", "destroyed"] and not any(r["billing"] for r in rows), rows
+    assert all(r["interruptible"] and r["gpu_name"] == GPU for r in rows), rows
+    assert rows[0]["offer"] != rows[1]["offer"], rows  # the outbid machine went to the higher bidder
+    done = json.loads(vs_s3["get"](f"{name}/DONE"))
+    assert done["step"] == steps
+
+    local = job_yaml(tmp_path, "vs-pre-local", f"file://{tmp_path}/local-run", steps=steps, every=10, local=True)
+    # one CPU thread, as on the instance (its job runs with OMP_NUM_THREADS=1; see the RunPod lab's test)
+    dtrun(["up", str(local), "--yes"], {**env, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}, timeout=900)
+    ref = json.loads((tmp_path / "local-run" / "DONE").read_text())
+    assert done["param_digest"] == ref["param_digest"], (done, ref)
+    stopped_storage = rows[0]["exists_seconds"] - rows[0]["running_seconds"]
+    print(f"outbid → the stopped instance destroyed by dtrun {destroyed:.0f} s later (storage billed {stopped_storage:.0f} s "
+          f"while stopped); → a step of attempt 2 {resumed:.0f} s; bills {[round(r['usd'], 5) for r in rows]}, "
+          f"dtrun cost ${cost['cost_usd']:.5f}")
