@@ -80,7 +80,7 @@ def running_server(tmp: Path, database: str, env: dict, aws: dict | None = None)
                 assert proc.poll() is None, log_path.read_text()
                 assert time.monotonic() < deadline, "server did not start"
                 time.sleep(0.3)
-        yield {"url": url, "token": token, "home": home, "log": log_path, "proc": proc, "env": senv}
+        yield {"url": url, "token": token, "database": database, "home": home, "log": log_path, "proc": proc, "env": senv}
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
