@@ -42,6 +42,7 @@ the job's own budget stop (``Teardown.begin_stop`` → OVER_BUDGET), its reason 
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from typing import Any, Callable
 
@@ -107,12 +108,13 @@ class Replica:
                     self.store.adopt(ctl.name, ctl.pid)
                 self.team_of[jid] = specs[jid][2]
                 ctl.launcher.storage = self._team_storage(specs[jid][2])
-            try:
-                state = ctl.tick()
-                err = None
-            except Exception as e:  # one bad job never stops the replica's other jobs
-                state, err = None, f"{type(e).__name__}: {e}"
-            self._write_back(jid, epoch, ctl, state, err)
+            with (self.store.one_tick() if hasattr(self.store, "one_tick") else contextlib.nullcontext()):
+                try:
+                    state = ctl.tick()
+                    err = None
+                except Exception as e:  # one bad job never stops the replica's other jobs
+                    state, err = None, f"{type(e).__name__}: {e}"
+                self._write_back(jid, epoch, ctl, state, err)
         self.request_actions()
 
     def _write_back(self, jid: int, epoch: int, ctl: Controller, state: str | None, err: str | None) -> None:

@@ -151,3 +151,20 @@ def test_an_unmigrated_database_says_how_to_fix_it(tmp_path):
     with pytest.raises(StateStoreError, match="dtrun server migrate"):
         CtlStore(engine)
     engine.dispose()
+
+
+def test_one_tick_reads_from_memory_until_a_write_to_the_table(engine):
+    s = CtlStore(engine)
+    s.create_job("j", "y", "u")
+    s.new_attempt("j", 1, {"provider": "fake"}, "fake", 1.0)
+    with s.one_tick():
+        assert s.get_job("j")["step"] is None
+        s.update_job("j", step=5)
+        assert s.get_job("j")["step"] == 5  # the write to jobs is seen
+        assert s.attempts("j")[0]["offer"] == {"provider": "fake"}
+        assert s.attempts("j")[0]["offer"] == {"provider": "fake"}  # answered from memory, intact
+        s.update_attempt("j", 1, state="RUNNING")
+        assert s.get_attempt("j", 1)["state"] == "RUNNING"
+        s.open_spend("j", 1, 3.6, t=0.0)
+        s.book_spend("j", 1, 100.0)
+        assert s.spend_total("j") == pytest.approx(0.1)
