@@ -12,9 +12,13 @@ its ``file://`` run URI each poll), then ``--rounds`` replica ticks measured:
   fenced transaction on the server database) apart;
 - the fake cloud's own time per replica tick (it advances every instance on every call), and the
   replica tick without it;
-- database round trips per job per tick: statements sent to the server database (SQLAlchemy
-  ``before_cursor_execute`` events) in a replica tick / N (the controllers' own SQLite state store
-  is separate, not counted);
+- database round trips per job per tick, everything this process sends to the database in a
+  replica tick / N: the server tables *and* the controllers' state store, which is built as ``dtrun
+  server`` builds it (``orchestrator.server.ctlstore.CtlStore`` on the same engine: its ``ctl_*``
+  tables); counted on every connection of the engine: statements (``before_cursor_execute``), split
+  into ``ctl_*`` and server-table ones, plus the round trips that are not statements — the
+  connection pool's pre-ping at each checkout (``pool_pre_ping``), psycopg2's implicit ``BEGIN``
+  of a non-autocommit transaction, each ``COMMIT``/``ROLLBACK``;
 - memory: RSS growth from before the jobs were created to after the measured ticks, per job.
 
 The clock is virtual (5 s per round), so only this process's own work is measured: no provider
@@ -64,7 +68,7 @@ def run(url: str, tmp: str, n_jobs: int, rounds: int) -> dict:
     from orchestrator.contract import runuri
     from orchestrator.plan.spec import parse_spec
     from orchestrator.run.clock import VirtualClock
-    from orchestrator.run.state import StateStore
+    from orchestrator.server.ctlstore import CtlStore
     from orchestrator.server.auth import create_team, create_user
     from orchestrator.server.db import make_engine, session_scope
     from orchestrator.server.jobs import submit_job
@@ -132,13 +136,31 @@ def run(url: str, tmp: str, n_jobs: int, rounds: int) -> dict:
             marks.append(time.perf_counter())
             write_back.append(marks[-1] - t)
 
-    r = TimedReplica(engine, StateStore(Path(tmp) / "state.db"), {"fake": cloud}, clock, replica_id="bench",
+    store = CtlStore(engine)  # as `dtrun server` builds it (orchestrator.cli.server, server.runner)
+    r = TimedReplica(engine, store, {"fake": cloud}, clock, replica_id="bench",
                      ttl=60.0, max_jobs=n_jobs, write_lease=False, tick_seconds=POLL_S, launch_wait_seconds=5.0)
-    statements = [0]
+    pg = engine.dialect.name == "postgresql"
+    counts = {"ctl": 0, "server": 0, "other": 0}
 
     @event.listens_for(engine, "before_cursor_execute")
-    def _count(*_a, **_k):
-        statements[0] += 1
+    def _count(_conn, _cur, sql, *_a, **_k):
+        counts["ctl" if "ctl_" in sql else "server"] += 1
+
+    @event.listens_for(engine, "checkout")
+    def _ping(*_a):  # pool_pre_ping: a SELECT 1 on the DBAPI connection, no event of its own
+        counts["other"] += pg
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn):  # psycopg2 sends BEGIN before a non-autocommit transaction's first statement
+        counts["other"] += pg and not conn.connection.dbapi_connection.autocommit
+
+    @event.listens_for(engine, "commit")
+    def _commit(_conn):
+        counts["other"] += 1
+
+    @event.listens_for(engine, "rollback")
+    def _rollback(_conn):
+        counts["other"] += 1
 
     warm = 0
     while True:  # until every job runs
@@ -150,17 +172,20 @@ def run(url: str, tmp: str, n_jobs: int, rounds: int) -> dict:
         if (running == n_jobs and all(c.state == "RUNNING" for c in r.controllers.values())) or warm > 30:
             break
     tick_s, per_job, trips, cloud_s = [], [], [], []
+    ctl_st, srv_st = [], []
     write_back.clear()
     for _ in range(rounds):
         marks.clear()
-        statements[0] = 0
+        counts.update(ctl=0, server=0, other=0)
         in_cloud[0] = 0.0
         t0 = time.perf_counter()
         r.tick()
         t1 = time.perf_counter()
         tick_s.append(t1 - t0)
         cloud_s.append(in_cloud[0])
-        trips.append(statements[0] / n_jobs)
+        trips.append(sum(counts.values()) / n_jobs)
+        ctl_st.append(counts["ctl"] / n_jobs)
+        srv_st.append(counts["server"] / n_jobs)
         prev = t0
         for m in marks:
             per_job.append(m - prev)
@@ -170,6 +195,7 @@ def run(url: str, tmp: str, n_jobs: int, rounds: int) -> dict:
     states = {c.state for c in r.controllers.values()}
     for c in r.controllers.values():
         c.teardown.terminate_all(sleep=lambda _s: clock.advance(1))
+    store.close()
     engine.dispose()
     per_job.sort()
     return {"jobs": n_jobs, "running": running, "controller_states": sorted(states), "warmup_ticks": warm,
@@ -184,6 +210,8 @@ def run(url: str, tmp: str, n_jobs: int, rounds: int) -> dict:
             "write_back_ms": {"p50": round(1000 * statistics.median(write_back), 2),
                               "p99": round(1000 * sorted(write_back)[int(len(write_back) * 0.99)], 2)},
             "db_round_trips_per_job_per_tick": round(statistics.median(trips), 2),
+            "statements_per_job_per_tick": {"ctl_store": round(statistics.median(ctl_st), 2),
+                                            "server_tables": round(statistics.median(srv_st), 2)},
             "rss_mb": {"before": round(rss0, 1), "after": round(rss1, 1),
                        "per_job_kb": round((rss1 - rss0) * 1024 / n_jobs, 1)},
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
