@@ -75,22 +75,51 @@ class _Result:
 
 
 class _Conn:
-    """What ``StateStore``'s methods call ``c.execute(sql, args)`` on, over one SQLAlchemy connection."""
+    """What ``StateStore``'s methods call ``c.execute(sql, args)`` on, over one SQLAlchemy connection.
 
-    def __init__(self, conn: Any, pg: bool) -> None:
+    ``lazy`` (PostgreSQL writes): the transaction is begun only when needed. A write statement that
+    comes first is held, not sent; a second statement (or one whose result is needed: a read, an
+    insert returning its id) begins the transaction on ``conn`` and sends the held one first. A
+    write transaction of that one statement alone is sent at the end by :meth:`finish` on the
+    autocommit connection: one round trip, not BEGIN + statement + COMMIT — one statement is atomic
+    on its own. An exception inside the ``with`` drops the held statement (the rollback)."""
+
+    def __init__(self, conn: Any, pg: bool, lazy: Any = None) -> None:
         self.conn, self.pg = conn, pg
         self.wrote: set[str] = set()  # tables this transaction wrote (the read cache forgets them)
+        self.lazy = lazy  # () -> (write connection, autocommit connection), when the transaction is begun lazily
+        self.held: tuple | None = None
+        self.tx: Any = None
 
     def execute(self, sql: str, args: Iterable[Any] = ()) -> _Result:
         if not sql.startswith("SELECT"):
             self.wrote |= _tables(sql)
         stmt, params, returning = translate(sql, args, self.pg)
-        res = self.conn.exec_driver_sql(stmt, params)
+        if self.lazy is not None and self.tx is None:
+            if self.held is None and not returning and not sql.startswith("SELECT"):
+                self.held = (stmt, params)
+                return _Result([])
+            self.conn = self.lazy()[0]
+            self.tx = self.conn.begin()
+            if self.held is not None:
+                self.conn.exec_driver_sql(*self.held)
+                self.held = None
+        return self._run(self.conn, stmt, params, returning)
+
+    @staticmethod
+    def _run(conn: Any, stmt: str, params: tuple, returning: bool) -> _Result:
+        res = conn.exec_driver_sql(stmt, params)
         if returning:
             return _Result([], int(res.scalar_one()))
         if not res.returns_rows:
             return _Result([])
         return _Result([_Row(m) for m in res.mappings().all()])
+
+    def finish(self) -> None:
+        """The held statement alone (no transaction was begun): sent now, in autocommit."""
+        if self.held is not None:
+            held, self.held = self.held, None
+            self.lazy()[1].exec_driver_sql(*held)
 
 
 def translate(sql: str, args: Iterable[Any], pg: bool) -> tuple[str, tuple, bool]:
@@ -118,6 +147,7 @@ class CtlStore(StateStore):
         self._FOR_UPDATE = " FOR UPDATE" if self._pg else ""
         self._lock = threading.RLock()
         self._memo: dict[tuple, list[dict]] | None = None
+        self._touched: dict[str, float] = {}  # job → when this store last wrote its controller_seen
         insp = inspect(engine)
         self._cols = {t: {c["name"] for c in insp.get_columns(f"ctl_{t}")} if insp.has_table(f"ctl_{t}") else set()
                       for t in ("jobs", "attempts", "nodes")}
@@ -154,9 +184,12 @@ class CtlStore(StateStore):
         def __enter__(self) -> _Conn:
             self.s._lock.acquire()
             try:
-                conn = self.s._connection()
-                self.tx = conn.begin()
-                self.c = _Conn(conn, self.s._pg)
+                if self.s._pg:  # begun lazily (see _Conn): a lone write is one autocommit round trip
+                    self.c = _Conn(None, True, lazy=lambda: (self.s._connection(), self.s._connection(reads=True)))
+                else:
+                    conn = self.s._connection()
+                    self.c = _Conn(conn, False)
+                    self.c.tx = conn.begin()
                 return self.c
             except BaseException:
                 self.s._drop()
@@ -166,9 +199,11 @@ class CtlStore(StateStore):
         def __exit__(self, et, ev, tb) -> None:
             try:
                 if et is None:
-                    self.tx.commit()
-                else:
-                    self.tx.rollback()
+                    self.c.finish()
+                    if self.c.tx is not None:
+                        self.c.tx.commit()
+                elif self.c.tx is not None:
+                    self.c.tx.rollback()
             except BaseException:
                 self.s._drop()
                 raise
@@ -222,9 +257,75 @@ class CtlStore(StateStore):
         with self._lock:
             self._drop()
 
+    TOUCH_EVERY_S = 30.0
+    """``touch_controller`` writes ``controller_seen`` at most this often per job (a quarter of the
+    120 s in which ``controller_alive`` judges a server replica's controller alive): the controller
+    touches every tick (5 s), most of those writes changed nothing anyone reads."""
+
+    def touch_controller(self, name: str) -> None:
+        now = time.time()
+        if now - self._touched.get(name, float("-inf")) < self.TOUCH_EVERY_S:
+            return
+        super().touch_controller(name)
+        self._touched[name] = now
+
+    def pop_action(self, name: str) -> str | None:
+        """As ``StateStore.pop_action``, but the row is read first without a lock (within a tick:
+        from memory): nothing requested, nothing to take — no locking transaction. A request
+        that lands after the read is in the row still: taken at the next tick."""
+        if (self.get_job(name) or {}).get("requested_action") is None:
+            return None
+        return super().pop_action(name)
+
+    _BOOK_PG = (
+        "WITH old AS (SELECT price_per_hour, billed_until, closed FROM ctl_spend WHERE job=%s AND attempt=%s "
+        "FOR UPDATE) "
+        "UPDATE ctl_spend AS s SET billed_until=GREATEST(%s::float8, old.billed_until), "
+        "seconds=s.seconds+GREATEST(0.0::float8, %s::float8-old.billed_until), "
+        "usd=s.usd+old.price_per_hour*GREATEST(0.0::float8, %s::float8-old.billed_until)/3600.0::float8, closed=%s "
+        "FROM old WHERE s.job=%s AND s.attempt=%s AND (old.closed=0 OR %s) "
+        "RETURNING old.price_per_hour*GREATEST(0.0::float8, %s::float8-old.billed_until)/3600.0::float8 AS usd")
+
+    def book_spend(self, job: str, attempt: int, until: float, close: bool = False,
+                   reopen: bool = False) -> float:
+        """As ``StateStore.book_spend`` (same arithmetic: ``price * max(0, until - billed_until) /
+        3600`` in double precision, from the row's ``billed_until`` read under its row lock), on
+        PostgreSQL in one statement — the row is locked by the statement's ``FOR UPDATE``, so two
+        replicas' bookings serialize and the second books only past the first's ``billed_until``:
+        one round trip instead of four (BEGIN, SELECT ... FOR UPDATE, UPDATE, COMMIT)."""
+        if not self._pg:
+            return super().book_spend(job, attempt, until, close, reopen)
+        u = float(until)
+        with self._lock:
+            try:
+                conn = self._connection(reads=True)  # autocommit: the statement is its own transaction
+                row = conn.exec_driver_sql(self._BOOK_PG, (job, attempt, u, u, u, 1 if close else 0, job, attempt,
+                                                           bool(reopen), u)).fetchone()
+            except BaseException:
+                self._drop()
+                raise
+            finally:
+                self._forget({"spend"})
+        return float(row[0]) if row is not None else 0.0
+
+    def spend_total(self, job: str) -> float:
+        """The sum of the job's spend rows' ``usd`` (in attempt order), from the same read as
+        :meth:`spend_by_attempt`: within a tick one query answers both and :meth:`open_spend_rows`."""
+        return float(sum(r["usd"] for r in self.spend_by_attempt(job)))
+
+    def open_spend_rows(self, job: str) -> list[dict]:
+        return [r for r in self.spend_by_attempt(job) if not r["closed"]]
+
     def claim_controller(self, name: str, pid: int | None = None, host: str = HOST,
                          log: str | None = None) -> bool:
-        return super().claim_controller(name, pid, host if host.startswith(SERVER_HOST) else SERVER_HOST + host, log)
+        ok = super().claim_controller(name, pid, host if host.startswith(SERVER_HOST) else SERVER_HOST + host, log)
+        if ok:
+            self._touched[name] = time.time()
+        return ok
+
+    def release_controller(self, name: str, pid: int | None = None) -> None:
+        self._touched.pop(name, None)
+        super().release_controller(name, pid)
 
     def adopt(self, name: str, pid: int | None = None) -> None:
         """Record this replica as the job's controller, whoever was recorded before (the caller
@@ -232,3 +333,4 @@ class CtlStore(StateStore):
         with self._write() as c:
             c.execute("UPDATE jobs SET controller_pid=?, controller_host=?, controller_seen=? WHERE name=?",
                       (os.getpid() if pid is None else pid, SERVER_HOST + HOST, time.time(), name))
+        self._touched[name] = time.time()
