@@ -79,6 +79,7 @@ class Replica:
         self.team_of: dict[int, int] = {}  # job id → team id
         self.secret_key, self.tick_seconds = secret_key, tick_seconds
         self._attempts_seen: dict[int, tuple] = {}  # job id → what its server attempt rows last said
+        self._state: dict[int, str] = {}  # job id → the state its controller's last tick returned
 
     def tick(self) -> None:
         """Renew, claim what is free, tick every owned job's controller, write the results back."""
@@ -93,6 +94,7 @@ class Replica:
             if jid not in self.owned:  # lost the lease: drop the controller, touch nothing more
                 del self.controllers[jid]
                 self.team_of.pop(jid, None)
+                self._state.pop(jid, None)
         self.team_cap(now)
         renewed_at = now
         for jid, epoch in list(self.owned.items()):
@@ -114,6 +116,7 @@ class Replica:
                     err = None
                 except Exception as e:  # one bad job never stops the replica's other jobs
                     state, err = None, f"{type(e).__name__}: {e}"
+                self._state[jid] = state  # only its controller moves a job's state: team_cap reads it here
                 self._write_back(jid, epoch, ctl, state, err)
         self.request_actions()
 
@@ -155,6 +158,7 @@ class Replica:
         self.controllers.pop(jid, None)
         self.team_of.pop(jid, None)
         self._attempts_seen.pop(jid, None)
+        self._state.pop(jid, None)
 
     def _sync_attempts(self, s: Any, jid: int, atts: list[dict], spend: dict[int, dict]) -> tuple | None:
         """Copy the job's attempts (outcome, booked spend) from the controllers' state store into the
@@ -191,7 +195,8 @@ class Replica:
         """Stop (with a checkpoint) this replica's jobs of every team whose month would be crossed."""
         teams: dict[int, list[Controller]] = {}
         for jid, ctl in self.controllers.items():
-            if jid in self.owned and ctl.started and ctl.state not in TERMINAL_STATES:
+            # the state its last tick returned (no store read per job per tick); the store's when unknown
+            if jid in self.owned and ctl.started and (self._state.get(jid) or ctl.state) not in TERMINAL_STATES:
                 teams.setdefault(self.team_of[jid], []).append(ctl)
         for tid, ctls in teams.items():
             grace = max(c.stop_grace for c in ctls)
