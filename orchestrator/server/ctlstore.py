@@ -12,7 +12,9 @@ runs each statement on the store's own SQLAlchemy connection (``exec_driver_sql`
 prefixed ``ctl_``, ``?`` as the driver's placeholder; on PostgreSQL ``INSERT OR IGNORE`` becomes ``INSERT ... ON CONFLICT DO NOTHING`` and
 an insert that needs its new id says ``RETURNING id``.
 
-Locking under several replicas. Each write is one transaction on the store's connection. Where the
+Locking under several replicas. Each write is one transaction on the store's connection (on
+PostgreSQL a write of one statement is sent alone in autocommit: atomic, one round trip; see
+:class:`_Conn`; ``book_spend`` is one statement there, its read under ``FOR UPDATE``). Where the
 SQLite store relies on ``BEGIN IMMEDIATE`` to read-then-write atomically (``book_spend``,
 ``claim_controller``, ``request_action`` / ``pop_action``, ``create_job``), the read takes a row
 lock here (``SELECT ... FOR UPDATE``, ``StateStore._FOR_UPDATE``) on PostgreSQL; on a SQLite server
