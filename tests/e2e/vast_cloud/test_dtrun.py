@@ -25,14 +25,26 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 GPU = "H100 SXM"
 
 
-def test_dtrun_spot_on_vast_at_its_bid_on_the_gpu_it_quoted(vs_lab, vs_s3, tmp_path):
+@pytest.fixture
+def top_is_h100(vs_lab):
+    """Every other GPU off the market (SkyPilot rents the top offer); afterwards the market and the
+    lab HOME's SkyPilot catalog (``dtrun prices --refresh`` rewrites it) as the lab started them."""
+    catalog = lablib.home() / ".sky" / "catalogs" / "v8" / "vast" / "vms.csv"
+    others = sorted({o["gpu_name"] for o in vapi.market(catalog)} - {GPU})
+    for g in others:
+        lablib.call("capacity", {"gpu": g, "on": False})
+    try:
+        yield
+    finally:
+        for g in others:
+            lablib.call("capacity", {"gpu": g, "on": True})
+        lablib.write_home()
+
+
+def test_dtrun_spot_on_vast_at_its_bid_on_the_gpu_it_quoted(vs_lab, vs_s3, top_is_h100, tmp_path):
     env = {**vs_lab, **vs_s3["env"], "DTRUN_HOME": str(tmp_path / "dtrun-home")}
     name, steps = "vs-ok", 30
     prices = json.loads(dtrun(["prices", "H100", "--refresh", "--spot", "--json"], env, timeout=600).stdout)
-    catalog = lablib.home() / ".sky" / "catalogs" / "v8" / "vast" / "vms.csv"
-    others = sorted({o["gpu_name"] for o in vapi.market(catalog)} - {GPU})
-    for g in others:  # the market's top offer becomes the job's GPU
-        lablib.call("capacity", {"gpu": g, "on": False})
     job = job_yaml(tmp_path, name, f"s3://{vs_s3['bucket']}/{{name}}", steps=steps, every=10)
     t0 = time.monotonic()
     with dtrun_up_running(job, env) as proc:
@@ -69,7 +81,7 @@ def test_dtrun_spot_on_vast_at_its_bid_on_the_gpu_it_quoted(vs_lab, vs_s3, tmp_p
           f"{b['storage_usd'] / b['usd']:.1%} of the bill")
 
 
-def test_dtrun_spot_on_vast_outbid_resumes_bit_identical(vs_lab, vs_s3, tmp_path):
+def test_dtrun_spot_on_vast_outbid_resumes_bit_identical(vs_lab, vs_s3, top_is_h100, tmp_path):
     """Outbid mid-run: the instance stopped without notice (``exited``, storage still billing);
     SkyPilot's refresh says STOPPED, dtrun calls it a preemption, destroys the stopped instance
     (not left billing storage), rents the next H100 SXM at its bid and resumes from the newest
@@ -79,9 +91,6 @@ def test_dtrun_spot_on_vast_outbid_resumes_bit_identical(vs_lab, vs_s3, tmp_path
     env = {**vs_lab, **vs_s3["env"], "DTRUN_HOME": str(tmp_path / "dtrun-home")}
     name, steps = "vs-pre", 80
     dtrun(["prices", "H100", "--refresh", "--spot", "--json"], env, timeout=600)
-    catalog = lablib.home() / ".sky" / "catalogs" / "v8" / "vast" / "vms.csv"
-    for g in sorted({o["gpu_name"] for o in vapi.market(catalog)} - {GPU}):
-        lablib.call("capacity", {"gpu": g, "on": False})
     job = job_yaml(tmp_path, name, f"s3://{vs_s3['bucket']}/{{name}}", steps=steps, every=10)
 
     def progress() -> dict:
