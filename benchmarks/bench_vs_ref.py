@@ -4,10 +4,11 @@ Both commits are checked out into temporary ``git worktree``s (removed after, al
 Ctrl-C); HEAD's worktree holds the commit, not this shared working tree's uncommitted edits. Each
 side runs the same job: the bundled trainer on synthetic data, fp32, CPU, FSDP ``dp_shard`` = N
 through that worktree's ``infra/torchrun_launch.py --standalone --nproc-per-node=N -m trainer``,
-its own code on PYTHONPATH and this venv's packages, one thread per rank. Runs alternate
-(ref, head, ref, head, …) per round and per process count. tokens/s comes from metrics.jsonl between
-the step ``--warmup`` and the last logged step (start-up, the warm-up steps and the final checkpoint
-excluded), as in bench_throughput.py.
+its own code on PYTHONPATH and this venv's packages, one thread per rank. Runs alternate per
+round and process count, the side that goes first swapping each round (ref head, head ref, …: the
+machine is shared). tokens/s comes from metrics.jsonl between the step ``--warmup`` and the last
+logged step (start-up, the warm-up steps and the final checkpoint excluded), as in
+bench_throughput.py.
 
     .venv/bin/python benchmarks/bench_vs_ref.py [--ref HEAD~1] [--procs 1 2] [--steps 25] [--rounds 2]
         [--d-model 256 --layers 6 --seq 2048 --batch 8]
@@ -123,7 +124,7 @@ def measure(a: argparse.Namespace, ref_sha: str, head_sha: str, tmp: Path) -> di
     for n in a.procs:
         got: dict[str, list[float]] = {"ref": [], "head": []}
         for rnd in range(a.rounds):
-            for side in ("ref", "head"):
+            for side in ("ref", "head") if rnd % 2 == 0 else ("head", "ref"):  # ABBA: no side always first
                 name = f"{side}-p{n}-r{rnd}"
                 job = job_file(tmp, name, a, n)
                 got[side].append(run_trainer(trees[side], job, tmp / name / "run", n, a))
