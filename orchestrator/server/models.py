@@ -121,4 +121,6 @@ class Attempt(Base):
     spend_usd: Mapped[float] = mapped_column(Float, default=0.0)
 
 
-from orchestrator.server import ctlschema  # noqa: E402,F401  (the controllers' ctl_* tables on Base.metadata)
+from orchestrator.server.ctlschema import declare as _declare_ctl_tables  # noqa: E402
+
+_declare_ctl_tables(Base.metadata)  # the controllers' ctl_* tables
