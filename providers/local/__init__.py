@@ -260,12 +260,14 @@ class LocalProvider(Provider):
             for r in recs:
                 if r["created_at"] < cutoff and not self._group_alive(r):
                     reg["instances"].pop(r["id"], None)
-        for r in recs:
-            if r.get("tmp_dir") and Path(r["tmp_dir"]).exists() and not self._group_alive(r):
-                self._clean_tmp(r)
         out = []
         for r in sorted(recs, key=lambda r: r["created_at"]):
-            if r["name"].startswith(prefix) and self._group_alive(r):
+            # one look at the group per record: a node not listed has had its temp folder removed
+            # in this same call (two looks raced: alive at the cleanup, gone at the listing)
+            alive = self._group_alive(r)
+            if not alive and r.get("tmp_dir") and Path(r["tmp_dir"]).exists():
+                self._clean_tmp(r)
+            if r["name"].startswith(prefix) and alive:
                 state = NodeState.RUNNING if r.get("terminated_at") is None else NodeState.TERMINATED
                 out.append(OwnedInstance(r["name"], r["id"], state, "local", r["created_at"], r.get("owner")))
         return out
