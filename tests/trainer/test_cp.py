@@ -41,7 +41,12 @@ EXTRA = {"activation_checkpointing": "full", "val_data": "synthetic", "eval_ever
 # to flip no token here (loss ≤ 1e-6, parameters 1.4e-4).
 MOE = {**_conf.MOE}
 L4 = {**DENSE, "n_layers": 4}  # zbv: 4 stages (two per rank, V-placed)
-MOE_LOSS_TOL, MOE_PARAM_TOL = 1e-4, 3e-3
+MOE_LOSS_TOL, MOE_PARAM_TOL = 5e-4, 3e-3  # measured 1.1e-4 (grad norm, step 3) on the 2026-12-03 CI machine
+# The gradient norm after the first step: fp32 rounding of the reordered attention sums grows through
+# AdamW (≈ lr·sign(g) on near-zero gradients). Measured ≤ 9e-6 on one machine, 1.2e-5 at step 4 with
+# learned positions and a tied head on another (an AVX-512 Xeon, the same torch): the kernels'
+# rounding is the machine's. A wrong mask or position moves it by ~1e-2.
+GRAD_NORM_TOL = 5e-5
 # Constant LR: a run split over two jobs (different `steps`) equals one run.
 CFG = {"warmup_steps": 0, "min_lr_ratio": 1.0, "batch_size": 4, "seq_len": 32}
 # Final parameters after 4 AdamW steps at lr 0.01: fp32 rounding of the gradients (~1e-8) becomes
@@ -213,7 +218,7 @@ def test_cp2_equals_one_process(worlds, variant, tmp_path):
     assert len(losses(got)) == STEPS
     assert losses(got)[0] == pytest.approx(losses(ref)[0], abs=2e-6)  # the same weights: rounding only
     assert losses(got) == pytest.approx(losses(ref), abs=MOE_LOSS_TOL if moe else 2e-6)
-    assert _grad_norms(got) == pytest.approx(_grad_norms(ref), abs=MOE_LOSS_TOL if moe else 1e-5)
+    assert _grad_norms(got) == pytest.approx(_grad_norms(ref), abs=MOE_LOSS_TOL if moe else GRAD_NORM_TOL)
     assert _max_diff(_params(got, STEPS, tmp_path), _params(ref, STEPS, tmp_path)) < (MOE_PARAM_TOL if moe else PARAM_TOL)
     assert _done(got)["parallel"]["cp"] == 2 and "cp" not in _done(ref)["parallel"]
     if variant == "-learned":  # validation at steps 2 and 4 over the same windows, sliced per cp rank
