@@ -44,7 +44,7 @@ e2e: $(STAMP)
 	$(PY) -m pytest -q -m e2e tests --ignore=tests/e2e/runpod_cloud --ignore=tests/e2e/vast_cloud
 
 # The spot clouds' labs (tests/e2e/clouds/runpodlab, vastlab; same host packages as the Lambda lab):
-# out of `make e2e` to keep `.ci/run` under 75 minutes (~17 min together: RunPod 290 s + 280 s, Vast 466 s measured). The RunPod suite failed
+# out of `make e2e` to keep `.ci/run` under 75 minutes (~22 min together: RunPod 290 s + 280 s, Vast 466 s + 278 s measured). The RunPod suite failed
 # in CI right after the Lambda suite in one session (cause not found); it passes alone, beside a running
 # Lambda lab, and right after the Lambda lab's gc test (2 passed in 261 s).
 e2e-spot: $(STAMP)
