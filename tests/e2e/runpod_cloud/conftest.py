@@ -7,13 +7,13 @@ saying why: never a silent skip."""
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.clouds.runpodlab import lab as lablib
 from tests.e2e.clouds.runpodlab import pod as podlib
+from tests.e2e.s3lab import moto_bucket
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -35,30 +35,8 @@ def rp_lab():
 @pytest.fixture(scope="session")
 def rp_s3(rp_lab):
     """moto S3 bound to the RunPod bridge's host IP (the pods reach it there; nothing else does)."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address=podlib.HOST_IP, port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
-                      aws_secret_access_key="testing")
-    bucket = f"rplab-{uuid.uuid4().hex[:8]}"
-    s3.create_bucket(Bucket=bucket)
-
-    def get(key: str) -> bytes:
-        return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-
-    def exists(key: str) -> bool:
-        return s3.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount", 0) > 0
-
-    try:
-        yield {"env": env, "bucket": bucket, "url": url, "get": get, "exists": exists}
-    finally:
-        server.stop()
+    with moto_bucket(podlib.HOST_IP, "rplab") as s3:
+        yield s3
 
 
 JOB = """\

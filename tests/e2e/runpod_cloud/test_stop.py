@@ -55,7 +55,7 @@ def test_down_mid_run_checkpoints_and_terminates_the_pod(rp_lab, rp_s3, tmp_path
         out, _ = proc.communicate(timeout=600)
     st = json.loads(dtrun(["status", name, "--json"], env).stdout)
     assert st["state"] == "CANCELLED", (st, down.stdout[-2000:], out[-2000:])
-    keys = [o for o in _keys(rp_s3, f"{name}/checkpoints/") if o.endswith("/COMMITTED")]
+    keys = [k for k in rp_s3["keys"](f"{name}/checkpoints/") if k.endswith("/COMMITTED")]
     committed = [int(k.split("/step-")[1].split("/")[0]) for k in keys]
     assert committed and max(committed) >= at, (committed, at)  # the final checkpoint (periodic: every 5000)
     rows = _nothing_billing(name, "the lab still lists the pod")
@@ -75,11 +75,3 @@ def test_gc_after_controller_sigkill_removes_the_pod(rp_lab, rp_s3, tmp_path):
     rows = _nothing_billing(name, "gc left the pod")
     assert [r["how"] for r in rows] == ["terminated"], rows
 
-
-def _keys(rp_s3, prefix: str) -> list[str]:
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=rp_s3["url"], region_name="us-east-1", aws_access_key_id="testing",
-                      aws_secret_access_key="testing")
-    return [o["Key"] for p in s3.get_paginator("list_objects_v2").paginate(Bucket=rp_s3["bucket"], Prefix=prefix)
-            for o in p.get("Contents", [])]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.clouds.vastlab import lab as lablib
+from tests.e2e.s3lab import moto_bucket
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -33,31 +34,10 @@ def vs_lab():
 @pytest.fixture(scope="session")
 def vs_s3(vs_lab):
     """moto S3 bound to the Vast bridge's host IP (the instances reach it there; nothing else does)."""
-    import uuid
-
-    import boto3
-    from moto.server import ThreadedMotoServer
-
     from tests.e2e.clouds.vastlab import machine
 
-    server = ThreadedMotoServer(ip_address=machine.NET.host_ip, port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
-                      aws_secret_access_key="testing")
-    bucket = f"vslab-{uuid.uuid4().hex[:8]}"
-    s3.create_bucket(Bucket=bucket)
-
-    def get(key: str) -> bytes:
-        return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-
-    try:
-        yield {"env": env, "bucket": bucket, "url": url, "get": get}
-    finally:
-        server.stop()
+    with moto_bucket(machine.NET.host_ip, "vslab") as s3:
+        yield s3
 
 
 JOB = """\

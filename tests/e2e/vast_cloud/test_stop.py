@@ -62,13 +62,7 @@ def test_down_mid_run_checkpoints_and_destroys_the_instance(vs_lab, vs_s3, top_i
         out, _ = proc.communicate(timeout=600)
     st = json.loads(dtrun(["status", name, "--json"], env).stdout)
     assert st["state"] == "CANCELLED", (st, down.stdout[-2000:], out[-2000:])
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=vs_s3["url"], region_name="us-east-1", aws_access_key_id="testing",
-                      aws_secret_access_key="testing")
-    keys = [o["Key"] for p in s3.get_paginator("list_objects_v2").paginate(Bucket=vs_s3["bucket"],
-                                                                          Prefix=f"{name}/checkpoints/")
-            for o in p.get("Contents", []) if o["Key"].endswith("/COMMITTED")]
+    keys = [k for k in vs_s3["keys"](f"{name}/checkpoints/") if k.endswith("/COMMITTED")]
     committed = [int(k.split("/step-")[1].split("/")[0]) for k in keys]
     assert committed and max(committed) >= at, (committed, at)  # the final checkpoint (periodic: every 5000)
     rows = _nothing_billing(name, "the lab still lists the instance")
