@@ -204,6 +204,16 @@ class SkyAPI:
             return None
         return vastcheck.instance_row(on_cloud, key)
 
+    def runpod_pod(self, name_on_cloud: str) -> dict[str, Any] | None:
+        """RunPod's row for the head pod SkyPilot named ``<name_on_cloud>-head`` (None: not listed);
+        raises when no key is readable or RunPod does not answer (:mod:`providers.skypilot.runpodcheck`)."""
+        from providers.skypilot import credentials, runpodcheck
+
+        key = credentials.read_key("runpod")
+        if not key:
+            raise RuntimeError("no RunPod key readable")
+        return runpodcheck.head_pod(name_on_cloud, key)
+
     def status(self, cluster_names: list[str] | None = None, refresh: bool = True) -> list[ClusterRecord]:
         self.ensure_server()
         import sky

@@ -10,6 +10,7 @@ cluster down, the job log's tail) go to ``$DTRUN_HOME/skypilot/clusters.json``.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -30,12 +31,13 @@ from providers.base import (
     Requirements,
 )
 from providers.skypilot import api as sky_api
-from providers.skypilot import catalog, credentials, vastcheck
+from providers.skypilot import catalog, credentials, runpodcheck, vastcheck
 from providers.skypilot.api import SkyAPI
 from providers.skypilot.clouds import CLOUDS
 from providers.skypilot.errors import is_named, map_sky_error
 from providers.skypilot.task import EXIT_RE, build_task_config
 
+log = logging.getLogger("dtrun.providers.skypilot")
 DEFAULT_IDLE_MINUTES = 3
 SSH_UNREACHABLE = 255
 """ssh's exit status when it cannot reach the node (what SkyPilot's CommandError then carries)."""
@@ -138,10 +140,11 @@ class SkyPilotProvider(Provider):
             job_id = self.api.launch(cfg, cluster, self.idle_minutes)
         except Exception as e:
             raise map_sky_error(e, self.cloud) from None
-        self._memo(cluster, job_id=job_id, ever_up=True)
-        data: dict[str, Any] = {"cluster": cluster, "job_id": job_id, "cloud": self.cloud}
         with sky_api._PRICES_LOCK:
             launched = sky_api.LAUNCHED_PRICES.pop(cluster, None)
+            on_cloud = sky_api.LAUNCHED_NAMES.get(cluster)
+        self._memo(cluster, job_id=job_id, ever_up=True, name_on_cloud=on_cloud)
+        data: dict[str, Any] = {"cluster": cluster, "job_id": job_id, "cloud": self.cloud}
         if launched is not None:
             data["launched_price_per_hour"] = round(launched, 6)  # what SkyPilot says it rented
         if self.cloud == "vast":
@@ -219,8 +222,12 @@ class SkyPilotProvider(Provider):
                 # The cluster is UP to SkyPilot but its node does not answer SSH. On RunPod an
                 # interruptible pod taken back is EXITED, which 0.14.1's status query cannot map
                 # (KeyError): the refresh fails and keeps the record UP (seen on the RunPod lab).
-                # Failing every poll would hide the attempt from the heartbeat check forever;
-                # RUNNING (the last state known) lets the heartbeat bound end it.
+                # dtrun asks RunPod for the pod (:mod:`providers.skypilot.runpodcheck`): EXITED or
+                # gone is a preemption now. Elsewhere, or when RunPod cannot say, RUNNING (the last
+                # state known) lets the heartbeat bound end it: failing every poll would hide the
+                # attempt from the heartbeat check forever.
+                if self.cloud == "runpod" and self._runpod_taken_back(memo):
+                    return self._gone_state(memo)
                 return NodeState.RUNNING
             raise map_sky_error(e, self.cloud) from None
         mine = [j for j in jobs if job_id is None or j.job_id == job_id]
@@ -237,6 +244,21 @@ class SkyPilotProvider(Provider):
         if state.is_terminal:
             self._memo(cluster, job_state=state.value)
         return state
+
+    def _runpod_taken_back(self, memo: dict[str, Any]) -> bool:
+        look = getattr(self.api, "runpod_pod", None)
+        on_cloud = memo.get("name_on_cloud")
+        if look is None or not on_cloud:
+            return False
+        try:
+            why = runpodcheck.taken_back(look(on_cloud))
+        except Exception as e:  # noqa: BLE001 - RunPod not answering: the heartbeat bound decides
+            log.info("runpod: could not ask RunPod for %s-head (%s); the heartbeat bound decides", on_cloud,
+                     type(e).__name__)
+            return False
+        if why:
+            log.info("runpod: %s (%s-head): preempted", why, on_cloud)
+        return why is not None
 
     def _exit_code(self, cluster: str, job_id: int | None) -> int | None:
         try:
