@@ -1,6 +1,7 @@
 """A SkyPilot cluster that is UP to SkyPilot but whose node no longer answers SSH (the RunPod lab:
 an interruptible pod taken back is EXITED, SkyPilot 0.14.1's refresh raises KeyError('EXITED')
-and keeps the record UP): poll says RUNNING — the last state known — so the controller's
+and keeps the record UP). On RunPod dtrun then asks RunPod for the pod: EXITED or gone is a
+preemption at once. Otherwise poll says RUNNING — the last state known — so the controller's
 heartbeat bound ends the attempt, instead of every poll failing and hiding it from that check."""
 
 from __future__ import annotations
