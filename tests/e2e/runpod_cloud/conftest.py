@@ -1,42 +1,11 @@
-"""The RunPod lab for the e2e suite: started once per session, stopped at the end (also after a
-failure), and the suite fails if anything of it is left (namespace, veth, bridge, process, mount).
-
-Where the lab cannot run (not root, no namespaces, no sshd), every test here FAILS with one line
-saying why: never a silent skip."""
+"""The RunPod e2e suite's job file (the lab fixtures rp_lab, rp_s3 live in tests/e2e/conftest.py, so
+one session starts the lab at most once and a test may use two labs)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import pytest
-
-from tests.e2e.clouds.runpodlab import lab as lablib
-from tests.e2e.clouds.runpodlab import pod as podlib
-from tests.e2e.s3lab import moto_bucket
-
 REPO = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(scope="session")
-def rp_lab():
-    why = lablib.preflight()
-    if why:
-        pytest.fail(f"RunPod lab cannot run here: {why}", pytrace=False)
-    lablib.stop(log=lambda m: None)  # whatever an earlier crashed run left
-    env = lablib.start(log=print)
-    try:
-        yield {**os.environ, **env, "PYTHONPATH": str(REPO)}
-    finally:
-        left = lablib.stop(log=print)
-        assert not any(left.values()), f"the RunPod lab left: {left}"
-
-
-@pytest.fixture(scope="session")
-def rp_s3(rp_lab):
-    """moto S3 bound to the RunPod bridge's host IP (the pods reach it there; nothing else does)."""
-    with moto_bucket(podlib.HOST_IP, "rplab") as s3:
-        yield s3
 
 
 JOB = """\
