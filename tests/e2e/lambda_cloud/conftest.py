@@ -126,7 +126,7 @@ def job_yaml(tmp_path, name: str, bucket: str, steps: int = 30, every: int = 10,
     return p
 
 
-def check_money(cost: dict, bill_rows: list[dict], poll_seconds: float = 5.0) -> None:
+def check_money(cost: dict, bill_rows: list[dict], poll_seconds: float = 5.0, provider: str = "lambda") -> None:
     """`dtrun cost` against the lab's bill, attempt by attempt (an attempt of N nodes is N bill
     rows): never less than the cloud billed (-5 %), and no more than 5 % over it plus one poll
     interval of price (the issue's bound: dtrun books an attempt until the poll that sees it end)
@@ -139,7 +139,7 @@ def check_money(cost: dict, bill_rows: list[dict], poll_seconds: float = 5.0) ->
     by_attempt: dict[int, list[dict]] = {}
     for b in bill_rows:
         by_attempt.setdefault(int(re.search(r"-a(\d+)-", b["name"]).group(1)), []).append(b)
-    attempts = {a["attempt"]: a for a in cost["attempts"] if a["provider"] == "lambda"}
+    attempts = {a["attempt"]: a for a in cost["attempts"] if a["provider"] == provider}
     assert set(by_attempt) <= set(attempts), (attempts, bill_rows)
     # an attempt that never reached the cloud (e.g. SkyPilot's API server did not start) has no
     # bill row: dtrun books it anyway (conservative); it is reported, not compared

@@ -2,8 +2,10 @@
 runpod SDK sends, a real pod over SSH on its mapped port, the interruptible bid, preemption and
 the ``KeyError`` SkyPilot's status query raises on an EXITED pod), then through the real dtrun
 CLI and SkyPilot's ``sky.launch``: a spot job on an interruptible pod, taken back mid-run, the
-cluster still UP in SkyPilot's refreshed status, dtrun noticing within its heartbeat bound,
-tearing it down and resuming bit-identical to an uninterrupted local run."""
+cluster still UP in SkyPilot's refreshed status, dtrun calling it a preemption at its first poll
+that finds the pod unreachable (it asks RunPod's GraphQL: EXITED), tearing it down, booking each
+attempt within 5 % of the pod's bill and resuming bit-identical to an uninterrupted local run; the
+restart is timed phase by phase (``tests/e2e/phases.py``)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import pytest
 
 from tests.e2e.clouds.runpodlab import lab as lablib
 from tests.e2e.clouds.runpodlab import pod as podlib
-from tests.e2e.lambda_cloud.conftest import dtrun, dtrun_up_running
+from tests.e2e import phases as phaselib
+from tests.e2e.lambda_cloud.conftest import check_money, dtrun, dtrun_up_running
 from tests.e2e.runpod_cloud.conftest import REPO, job_yaml
 from tests.e2e.waiting import wait_until
 
@@ -141,7 +144,8 @@ def test_dtrun_spot_on_runpod_preempted_resumes_bit_identical(rp_lab, rp_s3, tmp
         [p] = [p for p in lablib.call("status")["pods"] if p["name"].startswith(f"dtrun-{name}-a1")]
         assert p["podType"] == "INTERRUPTABLE" and p["costPerHr"] == pytest.approx(0.834), p  # the bid dtrun quoted
         cluster = f"dtrun-{name}-a1"  # SkyPilot's name; the pod is <name on cloud>-head
-        t_pre = time.monotonic()
+        t_pre, t_wall = time.monotonic(), time.time()
+        watch = phaselib.ProgressWatch(rp_s3["get"], name).__enter__()
         assert lablib.call("preempt", {"name": p["name"], "gone_after": 3600})["preempted"] == [p["name"]]
         # what SkyPilot's refreshed status says of the EXITED pod (racing dtrun's own poll)
         st = subprocess.run([str(REPO / ".venv" / "bin" / "sky"), "status", "--refresh", cluster], env=env,
@@ -154,11 +158,13 @@ def test_dtrun_spot_on_runpod_preempted_resumes_bit_identical(rp_lab, rp_s3, tmp
         wait_until(lambda: progress().get("attempt", 1) >= 2 and progress().get("step"), 1200,
                    "no step from a second attempt")
         resumed_after = time.monotonic() - t_pre
+        wait_until(lambda: 2 in watch.stepped or proc.poll() is not None, 600, "no second step of attempt 2")
+        watch.__exit__()
         out, _ = proc.communicate(timeout=1200)
     assert proc.returncode == 0, out[-4000:]
     # SkyPilot's refresh hits the KeyError on the EXITED pod (unless dtrun had already taken it
     # down); seen on the lab: the cluster then stays UP in the table (the predicted trap, which
-    # dtrun's heartbeat bound ends) or shows UNHEALTHY (which dtrun's poll reads as preempted)
+    # dtrun's own RunPod check ends) or shows UNHEALTHY (which dtrun's poll reads as preempted)
     if "not found" not in sky_says:
         assert "[KeyError] 'EXITED'" in sky_says, sky_says
     row = [t for line in sky_says.splitlines() if line.startswith(cluster) for t in line.split()
@@ -172,12 +178,18 @@ def test_dtrun_spot_on_runpod_preempted_resumes_bit_identical(rp_lab, rp_s3, tmp
     assert st["state"] == "SUCCEEDED" and st["attempts_total"] == 2, st
     cost = json.loads(dtrun(["cost", name, "--json"], env).stdout)
     outcomes = [a["outcome"] for a in sorted(cost["attempts"], key=lambda a: a["attempt"])]
-    # "lost" when the status kept UP and the heartbeat bound ended it, "preempted" when it did not
-    assert outcomes[0] in ("preempted", "lost") and outcomes[1:] == ["succeeded"], cost["attempts"]
+    # a preemption at the first poll that finds the pod unreachable (dtrun asks RunPod's GraphQL:
+    # EXITED), not "lost" at the heartbeat bound while SkyPilot's status still says UP
+    assert outcomes == ["preempted", "succeeded"], cost["attempts"]
     wait_until(lambda: not lablib.call("status")["pods"], 120, "the lab still lists a pod")
     rows = sorted([r for r in lablib.call("bill")["pods"] if r["name"].startswith(f"dtrun-{name}-")],
                   key=lambda r: r["start"])
     assert [r["how"] for r in rows] == ["preempted", "terminated"], rows
+    check_money(cost, rows, provider="runpod")  # each attempt's booking against the pod's bill at the bid
+    ph = phaselib.phases(env["DTRUN_HOME"], name, t_wall, watch, env["HOME"], instance_start=rows[1]["start"])
+    phaselib.report("runpod", ph)
+    assert set(phaselib.REQUIRED) <= set(ph["marks"]), ph  # every phase was seen on the lab
+    assert list(ph["marks"].values()) == sorted(ph["marks"].values()), ph  # in the order the design says
     done = json.loads(rp_s3["get"](f"{name}/DONE"))
     assert done["step"] == steps
 

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.e2e import phases as phaselib
 from tests.e2e.clouds.vastlab import api as vapi
 from tests.e2e.clouds.vastlab import lab as lablib
 from tests.e2e.lambda_cloud.conftest import dtrun, dtrun_up_running
@@ -108,7 +109,8 @@ def test_dtrun_spot_on_vast_outbid_resumes_bit_identical(vs_lab, vs_s3, top_is_h
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         [i] = mine()
         assert i["is_bid"] and i["gpu_name"] == GPU, i
-        t_out = time.monotonic()
+        t_out, t_wall = time.monotonic(), time.time()
+        watch = phaselib.ProgressWatch(vs_s3["get"], name).__enter__()
         assert lablib.call("outbid", {"name": i["label"]})["outbid"] == [i["label"]]
         # dtrun destroys the stopped instance (it would bill storage for as long as it exists)
         wait_until(lambda: not [j for j in mine() if j["id"] == i["id"]], 300,
@@ -117,6 +119,8 @@ def test_dtrun_spot_on_vast_outbid_resumes_bit_identical(vs_lab, vs_s3, top_is_h
         wait_until(lambda: progress().get("attempt", 1) >= 2 and progress().get("step"), 1200,
                    "no step from a second attempt")
         resumed = time.monotonic() - t_out
+        wait_until(lambda: 2 in watch.stepped or proc.poll() is not None, 600, "no second step of attempt 2")
+        watch.__exit__()
         out, _ = proc.communicate(timeout=1200)
     assert proc.returncode == 0, out[-4000:]
     st = json.loads(dtrun(["status", name, "--json"], env).stdout)
@@ -129,6 +133,10 @@ def test_dtrun_spot_on_vast_outbid_resumes_bit_identical(vs_lab, vs_s3, top_is_h
     assert [r["how"] for r in rows] == ["outbid", "destroyed"] and not any(r["billing"] for r in rows), rows
     assert all(r["interruptible"] and r["gpu_name"] == GPU for r in rows), rows
     assert rows[0]["offer"] != rows[1]["offer"], rows  # the outbid machine went to the higher bidder
+    ph = phaselib.phases(env["DTRUN_HOME"], name, t_wall, watch, env["HOME"], instance_start=rows[1]["created"])
+    phaselib.report("vast", ph)
+    assert set(phaselib.REQUIRED) <= set(ph["marks"]), ph  # every phase was seen on the lab
+    assert list(ph["marks"].values()) == sorted(ph["marks"].values()), ph  # in the order the design says
     done = json.loads(vs_s3["get"](f"{name}/DONE"))
     assert done["step"] == steps
 
