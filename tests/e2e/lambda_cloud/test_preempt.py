@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.e2e import phases as phaselib
 from tests.e2e.lambda_cloud.conftest import (
     check_money, dtrun, dtrun_up_running, job_yaml, step, wait_for_next_attempt, wait_until,
 )
@@ -30,9 +31,12 @@ def test_preempt_resumes_bit_identical(lab, s3_lab, tmp_path):
         [inst] = [i for i in lablib.call("status")["instances"] if i["name"].startswith(f"dtrun-{name}-a1")]
         at_step = step(s3_lab, name)
         t_pre = time.time()
+        watch = phaselib.ProgressWatch(s3_lab["get"], name).__enter__()
         assert lablib.call("preempt", {"name": inst["name"]})["preempted"] == [inst["name"]]
         wait_for_next_attempt(s3_lab, name, 1500)  # the next attempt trains again
         resumed_after = time.time() - t_pre
+        wait_until(lambda: 2 in watch.stepped or proc.poll() is not None, 600, "no second step of attempt 2")
+        watch.__exit__()
         out, _ = proc.communicate(timeout=1500)
     assert proc.returncode == 0, out[-4000:]
     st = json.loads(dtrun(["status", name, "--json"], env).stdout)
@@ -47,6 +51,11 @@ def test_preempt_resumes_bit_identical(lab, s3_lab, tmp_path):
     rows = [r for r in lablib.call("bill")["instances"] if r["name"].startswith(f"dtrun-{name}-")]
     assert [r["how"] for r in sorted(rows, key=lambda r: r["start"])] == ["preempted", "terminated"], rows
     check_money(cost, rows)
+    ph = phaselib.phases(env["DTRUN_HOME"], name, t_pre, watch, env["HOME"],
+                         instance_start=sorted(rows, key=lambda r: r["start"])[1]["start"])
+    phaselib.report("lambda", ph)
+    assert set(phaselib.REQUIRED) <= set(ph["marks"]), ph  # every phase was seen on the lab
+    assert list(ph["marks"].values()) == sorted(ph["marks"].values()), ph  # in the order the design says
 
     # the same trainer section, uninterrupted, on this machine (local provider, 2 CPU ranks)
     local = job_yaml(tmp_path, "lab-pre-local", "", steps=STEPS, every=25, provider="local",
