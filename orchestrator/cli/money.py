@@ -137,10 +137,14 @@ def job_cost(store: StateStore, job: dict) -> dict[str, Any]:
     est = json.loads(job["estimate_json"]) if job.get("estimate_json") else None
     atts = {a["n"]: a for a in store.attempts(job["name"])}
     launched: dict[int, float] = {}   # what the provider says it rented (SkyPilot's launched resources)
+    teardown: dict[int, tuple[float, float]] = {}  # first terminate request → last node confirmed gone
     for node in store.nodes(job["name"]):
         p = ((node.get("handle") or {}).get("data") or {}).get("launched_price_per_hour")
         if isinstance(p, (int, float)):
             launched[node["attempt"]] = launched.get(node["attempt"], 0.0) + float(p)
+        if node.get("terminate_requested") is not None and node.get("terminated_at") is not None:
+            t0, t1 = teardown.get(node["attempt"], (node["terminate_requested"], node["terminated_at"]))
+            teardown[node["attempt"]] = (min(t0, node["terminate_requested"]), max(t1, node["terminated_at"]))
     rows = []
     for s in store.spend_by_attempt(job["name"]):
         a = atts.get(s["attempt"], {})
@@ -164,6 +168,9 @@ def job_cost(store: StateStore, job: dict) -> dict[str, Any]:
             "start_step": a.get("start_step"), "end_step": a.get("end_step"),
             "quoted": quoted,
             "launched_price_per_hour": launched.get(s["attempt"]),
+            # booked too: dtrun books a node until the provider confirms it gone
+            "teardown_s": round(max(0.0, teardown[s["attempt"]][1] - teardown[s["attempt"]][0]), 3)
+                          if s["attempt"] in teardown else None,
         })
     total = sum(r["usd"] for r in rows)
     out = {

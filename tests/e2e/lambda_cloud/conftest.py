@@ -132,8 +132,10 @@ def check_money(cost: dict, bill_rows: list[dict], poll_seconds: float = 5.0, pr
     interval of price (the issue's bound: dtrun books an attempt until the poll that sees it end)
     plus what dtrun books on purpose beyond the cloud's bill: each instance's seconds between
     dtrun's launch call and its request (SkyPilot's optimizer, its wheel build), which dtrun cannot
-    see, and, for a node lost before the rest of its cluster, the seconds until the attempt ended
-    (an attempt is booked as N nodes until it ends)."""
+    see; for a node lost before the rest of its cluster, the seconds until the attempt ended
+    (an attempt is booked as N nodes until it ends); and the attempt's teardown (``teardown_s``:
+    dtrun's first terminate request → the provider confirming the last node gone; a preempted node
+    stopped billing before it, and SkyPilot's ``down`` takes seconds on a loaded host)."""
     import re
 
     by_attempt: dict[int, list[dict]] = {}
@@ -152,11 +154,13 @@ def check_money(cost: dict, bill_rows: list[dict], poll_seconds: float = 5.0, pr
         last = max(r["end"] for r in rows)
         early_usd = sum((last - r["end"]) * r["price_per_hour"] for r in rows) / 3600
         assert a["usd"] >= 0.95 * billed, (a, rows)
-        assert a["usd"] <= 1.05 * billed + pre_usd + early_usd + poll_seconds / 3600 * price, (a, rows, pre_usd)
+        teardown_usd = (a.get("teardown_s") or 0.0) * price / 3600
+        assert a["usd"] <= 1.05 * billed + pre_usd + early_usd + teardown_usd + poll_seconds / 3600 * price, \
+            (a, rows, pre_usd)
         pre = max(0.0, min(r["start"] for r in rows) - booked_start)
         print(f"attempt {a['attempt']}: dtrun ${a['usd']:.4f} ({a['seconds']:.0f} s), lab ${billed:.4f} "
               f"({len(rows)} instance(s), {max(r['seconds'] for r in rows):.0f} s), booked before the "
-              f"instance request {pre:.0f} s")
+              f"instance request {pre:.0f} s, teardown {a.get('teardown_s') or 0.0:.1f} s")
 
 
 def progress(s3_lab, name: str) -> dict:

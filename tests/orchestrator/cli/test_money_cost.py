@@ -84,3 +84,20 @@ def test_cost_shows_the_quoted_price_beside_the_booked_one(dtrun_home):
     d = json.loads(CliRunner().invoke(app, ["cost", "gpt", "--json"]).output)
     assert d["attempts"][1]["launched_price_per_hour"] == 23.5 and d["attempts"][0]["launched_price_per_hour"] is None
     assert "the provider launched it at $23.5000/h" in CliRunner().invoke(app, ["cost", "gpt"]).output
+
+
+def test_cost_json_names_each_attempts_teardown_window(dtrun_home):
+    """dtrun books a node until the provider confirms it gone: ``teardown_s`` is the attempt's first
+    terminate request → its last node confirmed gone (None while a node has not been torn down)."""
+    from providers.base import Handle
+
+    store = StateStore()
+    _fill(store)
+    t = 1_700_000_000.0
+    ids = [store.add_node("gpt", 2, Handle("fake", f"dtrun-gpt-a2-{i}", f"i-{i}").to_dict(), t=t) for i in (1, 2)]
+    d = json.loads(CliRunner().invoke(app, ["cost", "gpt", "--json"]).output)
+    assert d["attempts"][1]["teardown_s"] is None
+    store.update_node(ids[0], terminate_requested=t + 100.0, terminated_at=t + 103.5)
+    store.update_node(ids[1], terminate_requested=t + 100.5, terminated_at=t + 107.25)
+    d = json.loads(CliRunner().invoke(app, ["cost", "gpt", "--json"]).output)
+    assert d["attempts"][1]["teardown_s"] == 7.25
