@@ -73,3 +73,25 @@ def test_the_record_stands_when_it_is_newest_or_the_run_uri_cannot_be_read(tmp_p
     _print_status(st)
     assert "step from the controller's record (the run URI could not be read: IsADirectoryError" in \
         capsys.readouterr().out
+
+
+def test_attempt_list_names_every_attempt_billed_or_not(tmp_path):
+    """A failover: attempt 1 found no capacity on Vast (nothing rented, so `dtrun cost` has no row),
+    attempt 2 ran on RunPod; `dtrun status --json` lists both with where they went and how they ended."""
+    from providers.base import Offer
+
+    store, _ = job(tmp_path, 30, state="SUCCEEDED")
+    vast = Offer(provider="vast", region="any", gpu="A100-80GB", gpus_per_node=1, nodes=1, spot=True,
+                 price_per_gpu_hour=0.35)
+    runpod = Offer(provider="runpod", region="US", gpu="A100-80GB", gpus_per_node=1, nodes=1, spot=True,
+                   price_per_gpu_hour=0.83)
+    store.new_attempt("nums", 1, vast.to_dict(), "vast", time.time() - 100)
+    store.update_attempt("nums", 1, state="ENDED", outcome="no_capacity", reason="vast: no offer left")
+    store.new_attempt("nums", 2, runpod.to_dict(), "runpod", time.time() - 90)
+    store.update_attempt("nums", 2, state="ENDED", outcome="succeeded", reason="DONE")
+    st = job_status(store, store.get_job("nums"))
+    assert st["attempt_list"] == [
+        {"attempt": 1, "provider": "vast", "offer": "vast/any/A100-80GBx1/spot", "state": "ENDED",
+         "outcome": "no_capacity", "reason": "vast: no offer left"},
+        {"attempt": 2, "provider": "runpod", "offer": "runpod/US/A100-80GBx1/spot", "state": "ENDED",
+         "outcome": "succeeded", "reason": "DONE"}]
