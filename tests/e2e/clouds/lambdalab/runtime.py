@@ -16,6 +16,7 @@ Run ``python -m tests.e2e.clouds.lambdalab runtime`` to build it alone; ``start`
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import json
@@ -64,7 +65,16 @@ def _torch_wheel() -> list[str]:
 
 
 def build(log=print) -> dict:
-    """Build the cache (no-op when the stamp matches). Returns {seconds, bytes}."""
+    """Build the cache (no-op when the stamp matches). Returns {seconds, bytes}. One build at a
+    time on the host (``make e2e``'s groups start their labs at once): the others wait on the
+    lock, then find the stamp."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build(log)
+
+
+def _build(log) -> dict:
     if ready():
         return json.loads((CACHE / "STAMP").read_text().split(None, 1)[1])
     t0 = time.monotonic()
