@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo demo-synthetic test test-fast e2e e2e-spot bench clean
+.PHONY: demo demo-synthetic test test-fast e2e e2e-one bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,19 +37,20 @@ test-fast: $(STAMP)
 
 # End-to-end suites against the emulated clouds in tests/e2e/ (slow; some need root), and the
 # whole fault/resume scenarios with the real trainer elsewhere in tests/ (marked e2e).
-# The Lambda lab (tests/e2e/clouds/lambdalab) needs root, namespaces and sshd/rsync/sudo/tini: the script
-# installs the missing packages (apt); the lab's runtime cache is built once in /var/cache/dtrun-lab.
+# The labs (tests/e2e/clouds/: Lambda, RunPod, Vast, Modal) need root, namespaces and
+# sshd/rsync/sudo/tini: the script installs the missing packages (apt); the labs' runtime cache is
+# built once in /var/cache/dtrun-lab. Two pytest sessions at once (tests/e2e/split.py): the spot
+# clouds' suites and the cross-cloud failover test (mostly waiting on SkyPilot) beside everything
+# else; each line is prefixed with its group, and the target fails if either group fails.
 e2e: $(STAMP)
 	tests/e2e/clouds/lambdalab/setup-host.sh
-	$(PY) -m pytest -q -m e2e tests --ignore=tests/e2e/runpod_cloud --ignore=tests/e2e/vast_cloud
+	$(PY) -m tests.e2e.split --pytest-arg=-q --pytest-arg=--durations=15 \
+	  spot=tests/e2e/runpod_cloud,tests/e2e/vast_cloud,tests/e2e/cross_cloud rest
 
-# The spot clouds' labs (tests/e2e/clouds/runpodlab, vastlab; same host packages as the Lambda lab):
-# out of `make e2e` to keep `.ci/run` under 75 minutes (~22 min together: RunPod 290 s + 280 s, Vast 466 s + 278 s measured). The RunPod suite failed
-# in CI right after the Lambda suite in one session (cause not found); it passes alone, beside a running
-# Lambda lab, and right after the Lambda lab's gc test (2 passed in 261 s).
-e2e-spot: $(STAMP)
+# One group alone, e.g. the spot clouds: make e2e-one E2E=tests/e2e/runpod_cloud
+e2e-one: $(STAMP)
 	tests/e2e/clouds/lambdalab/setup-host.sh
-	$(PY) -m pytest -q -m e2e tests/e2e/runpod_cloud tests/e2e/vast_cloud
+	$(PY) -m pytest -q -m e2e $(E2E)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
