@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -27,21 +25,6 @@ from tests.e2e.conftest import REPO
 
 HOME = Path(os.environ.get("DTRUN_TWO_CLOUDS_DIR", "/var/lib/dtrun-lab/two-clouds")) / "home"
 API_SERVER_PORT = 46610
-
-
-def _end_processes(home: Path) -> list[int]:
-    """SIGKILL every process whose HOME is ``home`` (SkyPilot's API server, executors, ssh masters)."""
-    for _ in range(50):
-        procs = llab._procs_with_home(str(home))
-        if not procs:
-            return []
-        for p in procs:
-            try:
-                os.killpg(p, signal.SIGKILL) if os.getpgid(p) == p else os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.1)
-    return llab._procs_with_home(str(home))
 
 
 def write_home() -> None:
@@ -59,7 +42,7 @@ def write_home() -> None:
 @pytest.fixture(scope="session")
 def two_clouds(rp_lab, vs_lab):
     """The environment of a dtrun that drives both labs through one SkyPilot API server."""
-    _end_processes(HOME)  # whatever an earlier crashed run left
+    llab.end_processes_with_home(str(HOME))  # whatever an earlier crashed run left
     shutil.rmtree(HOME.parent, ignore_errors=True)
     write_home()
     env = {**vs_lab, **rp_lab, "HOME": str(HOME), "RUNPOD_API_BASE_URL": rlab.endpoint(),
@@ -71,7 +54,7 @@ def two_clouds(rp_lab, vs_lab):
     finally:
         subprocess.run([str(REPO / ".venv" / "bin" / "sky"), "api", "stop"], env=env, capture_output=True,
                        timeout=120, check=False)
-        left = _end_processes(HOME)
+        left = llab.end_processes_with_home(str(HOME))
         shutil.rmtree(HOME.parent, ignore_errors=True)
         assert not left, f"processes of the two-cloud SkyPilot HOME left: {left}"
 

@@ -163,6 +163,22 @@ def serve() -> None:
     api.serve(cloud, "127.0.0.1", PORT)
 
 
+def end_processes_with_home(h: str) -> list[int]:
+    """SIGKILL every process whose HOME is ``h`` (its process group when it leads one), again until
+    none is left (5 s at most); returns those still there."""
+    for _ in range(50):
+        procs = _procs_with_home(h)
+        if not procs:
+            return []
+        for p in procs:
+            try:
+                os.killpg(p, signal.SIGKILL) if os.getpgid(p) == p else os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.1)
+    return _procs_with_home(h)
+
+
 def _procs_with_home(h: str) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
@@ -215,20 +231,7 @@ def stop(log=print) -> dict[str, list]:
         os.kill(int(pid), signal.SIGKILL)
     for ns in node.all_netns():
         node.down(int(ns[len(node.NETNS_PREFIX):]))
-    for pid in _procs_with_home(str(home())):  # SkyPilot's API server, executors, ssh masters
-        try:
-            os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    for _ in range(50):
-        if not _procs_with_home(str(home())):
-            break
-        for pid in _procs_with_home(str(home())):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.1)
+    end_processes_with_home(str(home()))  # SkyPilot's API server, executors, ssh masters
     for veth in leftovers()["veth"]:
         node.sh(f"ip link del {veth}", check=False)
     node.bridge_down()

@@ -166,16 +166,7 @@ def stop(log=print) -> dict[str, list]:
         os.kill(pid, signal.SIGKILL)
     for ns in machine.all_netns():
         machine.down(LAB_DIR, int(ns[len(machine.NET.netns_prefix):]))
-    for _ in range(50):
-        procs = llab._procs_with_home(str(home()))  # SkyPilot's API server, executors, ssh masters
-        if not procs:
-            break
-        for p in procs:
-            try:
-                os.killpg(p, signal.SIGKILL) if os.getpgid(p) == p else os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.1)
+    llab.end_processes_with_home(str(home()))  # SkyPilot's API server, executors, ssh masters
     for veth in leftovers()["veth"]:
         llab.node.sh(f"ip link del {veth}", check=False)
     machine.bridge_down()
