@@ -102,7 +102,7 @@ def test_spot_pod_through_skypilots_runpod_calls(rp_lab, tmp_path):
     ssh_after = time.monotonic() - t0
     r = _ssh(key, info["external_ip"], info["ssh_port"],
              "id -un; hostname; ls -A ~ | sort | tr '\\n' ' '; echo; ps -e --no-headers | wc -l; "
-             "ls /work | wc -l; . /etc/profile.d/container_env_var.sh; echo $RUNPOD_POD_ID; touch /dtrp-probe")
+             f"ls -A {podlib.REPO} 2>/dev/null | wc -l; . /etc/profile.d/container_env_var.sh; echo $RUNPOD_POD_ID; touch /dtrp-probe")
     user, host, home, nproc, work, envid = r.stdout.splitlines()
     assert (user, host, envid) == ("root", pid, pid), r.stdout
     assert home.split() == [".bashrc", ".local", ".profile", ".ssh", "skypilot-runtime"], home  # clean /root

@@ -162,7 +162,8 @@ def test_skypilots_vast_path_first_contact(vs_lab):
                "no SSH on the instance's reported port")
     ssh_after = time.monotonic() - t0
     s = _ssh(key, od["external_ip"], od["ssh_port"],
-             "id -un; hostname; ls -A ~ | sort | tr '\\n' ' '; echo; ps -e --no-headers | wc -l; ls /work | wc -l; "
+             "id -un; hostname; ls -A ~ | sort | tr '\\n' ' '; echo; ps -e --no-headers | wc -l; "
+             f"ls -A {REPO} 2>/dev/null | wc -l; "
              "wc -c < ~/.vast_api_key; readlink ~/skypilot-runtime; "
              "tr '\\0' '\\n' < /proc/$(pgrep -xo sleep)/environ | grep ^__SOURCE=")
     user, host, home, nproc, work, keylen, rt, source = s.stdout.splitlines()

@@ -82,6 +82,22 @@ def bridge_up() -> None:
     lnode.bridge_up(BRIDGE, HOST_IP)
 
 
+SYSTEM_DIRS = {Path(p) for p in ("/", "/tmp", "/var", "/var/lib", "/usr", "/opt", "/home", "/root", "/srv", "/mnt", "/run", "/etc")}
+
+
+def hidden_dirs(lab_dir: Path) -> list[Path]:
+    """What a pod must not see of the host, each covered by an empty 1 MB tmpfs: the repository
+    and the lab's directory, each with its parent (its checkouts and keys beside it) unless the
+    parent is a system directory (a checkout at ``/tmp/ci``: a 1 MB ``/tmp`` would fill at the
+    first pip build)."""
+    out: list[Path] = []
+    for d in (REPO, lab_dir):
+        d = d.parent if d.parent not in SYSTEM_DIRS else d
+        if d not in out:
+            out.append(d)
+    return out
+
+
 def bridge_down() -> None:
     lnode.bridge_down(BRIDGE)
 
@@ -168,7 +184,7 @@ def up(lab_dir: Path, n: int, pod_id: str, docker_args: str, env: dict[str, str]
              f"ip -n {ns} link set eth0 up && ip -n {ns} route add default via {net.host_ip}")
     pod_dir = lab_dir / "pods" / str(n)
     pod_dir.mkdir(parents=True, exist_ok=True)
-    hide = " ".join(shlex.quote(str(p)) for p in {REPO.parent if REPO.parent != Path("/") else REPO, lab_dir.parent if lab_dir.parent != Path("/") else lab_dir})
+    hide = " ".join(shlex.quote(str(p)) for p in hidden_dirs(lab_dir))
     init_env = {"PATH": PATH, "POD_HOST": pod_id, "POD_IP": ip, "POD_DIR": str(pod_dir),
                 "ROOT_LAYER": str(root_layer(lab_dir)), "IMAGE_USR": str(image_usr(lab_dir)), "CACHE": str(runtime.CACHE), "HIDE": hide,
                 "EXTRA_WHEELS": str(runtime.CACHE / wheels / "wheelhouse")}
