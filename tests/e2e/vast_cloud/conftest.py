@@ -3,6 +3,7 @@ one session starts the lab at most once and a test may use two labs)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -53,3 +54,19 @@ def job_yaml(tmp_path, name: str, uri: str, steps: int, every: int, local: bool 
                 .replace("  spot: true\n", ""))
     p.write_text(text)
     return p
+
+
+def live_vast_prices(env: dict, gpu: str = "H100") -> dict:
+    """``dtrun prices GPU --refresh --spot --json`` against the lab (SkyPilot's ``fetch_vast`` + dtrun's
+    bid search: the bid dtrun passes); once more if it brought no live Vast spot price for ``gpu``
+    (a fetch that timed out on a loaded host leaves the bundled snapshot, which has no Vast spot
+    prices). Fails naming what each refresh said."""
+    from tests.e2e.lambda_cloud.conftest import dtrun
+
+    said = []
+    for _ in range(2):
+        out = json.loads(dtrun(["prices", gpu, "--refresh", "--spot", "--json"], env, timeout=600).stdout)
+        said.append([r for r in out["refresh"] if r["cloud"] == "vast"])
+        if any(r["provider"] == "vast" and r["spot"] and r["price_known"] for r in out["prices"]):
+            return out
+    raise AssertionError(f"no live Vast spot price for {gpu} after two refreshes: {said}")

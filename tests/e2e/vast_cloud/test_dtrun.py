@@ -19,7 +19,7 @@ from tests.e2e import phases as phaselib
 from tests.e2e.clouds.vastlab import api as vapi
 from tests.e2e.clouds.vastlab import lab as lablib
 from tests.e2e.lambda_cloud.conftest import dtrun, dtrun_up_running
-from tests.e2e.vast_cloud.conftest import job_yaml
+from tests.e2e.vast_cloud.conftest import job_yaml, live_vast_prices
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -28,8 +28,10 @@ GPU = "H100 SXM"
 
 @pytest.fixture
 def top_is_h100(vs_lab):
-    """Every other GPU off the market (SkyPilot rents the top offer); afterwards the market and the
-    lab HOME's SkyPilot catalog (``dtrun prices --refresh`` rewrites it) as the lab started them."""
+    """Every other GPU off the market (SkyPilot rents the top offer); afterwards the market (the
+    offers an outbid left to the higher bidder given back too: the outbid test takes one of the
+    two H100 SXM machines of a row) and the lab HOME's SkyPilot catalog (``dtrun prices
+    --refresh`` rewrites it) as the lab started them."""
     catalog = lablib.home() / ".sky" / "catalogs" / "v8" / "vast" / "vms.csv"
     others = sorted({o["gpu_name"] for o in vapi.market(catalog)} - {GPU})
     for g in others:
@@ -39,13 +41,15 @@ def top_is_h100(vs_lab):
     finally:
         for g in others:
             lablib.call("capacity", {"gpu": g, "on": True})
+        print(f"vast market: offers taken by higher bidders {lablib.call('status')['taken_offers']}, given back")
+        lablib.call("release", {})
         lablib.write_home()
 
 
 def test_dtrun_spot_on_vast_at_its_bid_on_the_gpu_it_quoted(vs_lab, vs_s3, top_is_h100, tmp_path):
     env = {**vs_lab, **vs_s3["env"], "DTRUN_HOME": str(tmp_path / "dtrun-home")}
     name, steps = "vs-ok", 30
-    prices = json.loads(dtrun(["prices", "H100", "--refresh", "--spot", "--json"], env, timeout=600).stdout)
+    prices = live_vast_prices(env)  # dtrun's bid from the lab
     job = job_yaml(tmp_path, name, f"s3://{vs_s3['bucket']}/{{name}}", steps=steps, every=10)
     t0 = time.monotonic()
     with dtrun_up_running(job, env) as proc:
@@ -91,7 +95,7 @@ def test_dtrun_spot_on_vast_outbid_resumes_bit_identical(vs_lab, vs_s3, top_is_h
 
     env = {**vs_lab, **vs_s3["env"], "DTRUN_HOME": str(tmp_path / "dtrun-home")}
     name, steps = "vs-pre", 80
-    dtrun(["prices", "H100", "--refresh", "--spot", "--json"], env, timeout=600)
+    live_vast_prices(env)  # dtrun's bid from the lab
     job = job_yaml(tmp_path, name, f"s3://{vs_s3['bucket']}/{{name}}", steps=steps, every=10)
 
     def progress() -> dict:

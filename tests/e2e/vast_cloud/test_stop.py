@@ -17,7 +17,7 @@ import pytest
 
 from tests.e2e.clouds.vastlab import lab as lablib
 from tests.e2e.lambda_cloud.conftest import dtrun, dtrun_up_running
-from tests.e2e.vast_cloud.conftest import job_yaml
+from tests.e2e.vast_cloud.conftest import job_yaml, live_vast_prices
 from tests.e2e.vast_cloud.test_dtrun import top_is_h100  # noqa: F401 - the fixture: the H100 SXM on top
 from tests.e2e.waiting import wait_until
 
@@ -39,7 +39,7 @@ def _mine(name: str, what: str = "status") -> list[dict]:
 def _training(vs_lab, vs_s3, tmp_path, name: str):
     """A spot job that trains until it is stopped, under `dtrun up`, once its instance trained 20 steps."""
     env = {**vs_lab, **vs_s3["env"], "DTRUN_HOME": str(tmp_path / "dtrun-home")}
-    dtrun(["prices", "H100", "--refresh", "--spot", "--json"], env, timeout=600)  # dtrun's bid from the lab
+    live_vast_prices(env)  # dtrun's bid from the lab
     job = job_yaml(tmp_path, name, f"s3://{vs_s3['bucket']}/{{name}}", steps=100000, every=5000)
     with dtrun_up_running(job, env) as proc:
         wait_until(lambda: _step(vs_s3, name) >= 20 or proc.poll() is not None, 1200, "the instance never trained")

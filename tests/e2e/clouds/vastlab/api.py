@@ -30,7 +30,8 @@ Emulated (``Authorization: Bearer <key>`` checked on every route; a wrong key is
   ``ports['22/tcp'][0].HostPort`` (the same, never 22; both null until running).
 * outbid (lab route): the machine is killed without notice, ``actual_status`` ``exited``
   (``intended_status`` stays ``running``, ``status_msg`` says outbid), the offer taken by the
-  higher bidder (``PUT state running`` leaves it exited), storage still billing until DELETE.
+  higher bidder (``PUT state running`` leaves it exited), storage still billing until DELETE;
+  ``release`` (lab route) gives every taken offer back (a test leaves the market as it found it).
 * the bill, per second (Vast's billing docs): compute at the bid (interruptible) or ``dph_base``
   (on-demand) while running; storage ``disk`` GB × ``storage_cost`` $/GB-month for as long as
   the instance exists, stopped included.
@@ -444,6 +445,10 @@ def serve(cloud: Cloud, host: str, port: int) -> None:
                 gpu, on = str(body.get("gpu")), bool(body.get("on"))
                 with cloud.lock:
                     (cloud.no_capacity.discard if on else cloud.no_capacity.add)(gpu)
+                return self._send(200, cloud.status())
+            if what == "release" and method == "POST":  # the higher bidders leave: every taken offer back
+                with cloud.lock:
+                    cloud.taken.clear()
                 return self._send(200, cloud.status())
             if what == "shutdown" and method == "POST":
                 cloud.shutdown()
