@@ -41,7 +41,7 @@ test-fast: $(STAMP)
 # sshd/rsync/sudo/tini: the script installs the missing packages (apt); the labs' runtime cache is
 # built once in /var/cache/dtrun-lab. The spot clouds' suites (RunPod, Vast, cross-cloud) are not in
 # it yet: beside the rest (tests/e2e/split.py) they took 20.7 min in .ci/run, but their last trial
-# runs found two flakes (fixed) and a third (a Vast lab SSH port taken as an ephemeral port: open);
+# runs found three flakes (fixed since, the whole group not rerun: docs/labs.md);
 # run them with `make e2e-spot`.
 e2e: $(STAMP)
 	tests/e2e/clouds/lambdalab/setup-host.sh

@@ -12,7 +12,7 @@ Emulated:
   instance type and has capacity, else RunPod's "no longer any instances available" error; a
   ``bidPerGpu`` below the GPU's current ``minimumBidPrice`` is refused; the pod is ``RUNNING`` at
   once with ``runtime: null`` until its main process runs (then ``runtime.ports``: the public SSH
-  port ``10.78.0.1:40000+n`` with ``isIpPublic: true``, and the pod's private address);
+  port ``10.78.0.1:20000+n`` with ``isIpPublic: true``, and the pod's private address);
 * ``podTerminate``: the pod stops and is gone from ``myself.pods`` when the call returns;
 * preemption (lab route): an interruptible pod is taken back: killed, ``desiredStatus:
   EXITED``, ``runtime: null``, then gone from the list after ``gone_after`` seconds;

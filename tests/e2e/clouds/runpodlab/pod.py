@@ -20,7 +20,7 @@ What a pod is here, against what RunPod hands out:
   (``service ssh restart``); nothing else starts it.
 * **network:** netns ``dtrp-<n>`` with ``eth0`` = ``10.78.0.<n>`` on the bridge ``dtrp0``
   (host end ``10.78.0.1``; the host does not forward, so nothing leaves the machine). The
-  "public" SSH endpoint is ``10.78.0.1:<40000+n>``, a TCP forwarder in the API process to
+  "public" SSH endpoint is ``10.78.0.1:<20000+n>``, a TCP forwarder in the API process to
   ``10.78.0.<n>:22`` — not port 22, as on RunPod. ``/etc/resolv.conf`` is ``nameserver
   127.0.0.1``, no package lists and ``Acquire::Retries 0`` (``apt update`` fails at once
   instead of retrying; ``apt install`` of what is installed is then a no-op).
@@ -47,7 +47,7 @@ BRIDGE = "dtrp0"
 HOST_IP = "10.78.0.1"
 NETNS_PREFIX = "dtrp-"
 VETH_PREFIX = "dtrpv"
-PORT_BASE = 40000
+PORT_BASE = 20000  # under Linux's ephemeral range (32768–60999): an outgoing connection's local port on the bridge address never holds it
 REPO = Path(__file__).resolve().parents[4]
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 

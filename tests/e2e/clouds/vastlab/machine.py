@@ -7,7 +7,7 @@ SkyPilot's key and ``~/.vast_api_key`` get in), then ``sleep infinity``. The cre
 is the environment of those processes (not of SSH logins: nothing writes ``/etc/environment``).
 
 * network: netns ``dtvs-<n>``, ``eth0`` = ``10.79.0.<n>`` on the bridge ``dtvs0`` (host end
-  ``10.79.0.1``; nothing leaves the machine). SSH: ``10.79.0.1:<42000+n>``, a forwarder in the API
+  ``10.79.0.1``; nothing leaves the machine). SSH: ``10.79.0.1:<22000+n>``, a forwarder in the API
   process to ``10.79.0.<n>:22`` (Vast's proxy port: not 22).
 * the image: whatever ``image`` says, the host's Debian 12 as the RunPod lab's pods have it;
   pip/uv install from the runtime cache's wheelhouse and ``vast/wheelhouse`` (SkyPilot installs its
@@ -30,7 +30,7 @@ from tests.e2e.clouds.lambdalab import node as lnode
 from tests.e2e.clouds.runpodlab import pod as podlib
 
 NET = podlib.Net(netns_prefix="dtvs-", veth_prefix="dtvsv", bridge="dtvs0", host_ip="10.79.0.1", subnet="10.79.0")
-PORT_BASE = 42000
+PORT_BASE = 22000  # under the ephemeral range, as the RunPod lab's
 
 MAIN = r"""
 cat > /root/onstart.sh
