@@ -17,6 +17,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from orchestrator.cli.attempts import attempt_list
 from orchestrator.cli.options import JsonOpt
 from orchestrator.cli.statusfacts import fmt_wall as _fmt_wall
 from orchestrator.cli.statusfacts import step_facts, watch_lines
@@ -85,16 +86,6 @@ def cluster_nodes(run_uri: str, att: dict | None, live: bool) -> list[dict[str, 
     return out
 
 
-def _offer_key(offer: Any) -> str | None:
-    """``provider/region/GPUxN[/spot]`` of a stored offer (None if the record is not one)."""
-    from providers.base import Offer
-
-    try:
-        return Offer.from_dict(offer).key()
-    except (TypeError, ValueError, AttributeError):
-        return None
-
-
 def job_status(store: StateStore, job: dict, live: bool = False) -> dict[str, Any]:
     """The JSON object ``dtrun status JOB --json`` prints (also for finished jobs); ``live``
     reads the run URI: a multi-node attempt's node records rather than the stored copy, and the
@@ -132,10 +123,7 @@ def job_status(store: StateStore, job: dict, live: bool = False) -> dict[str, An
         "cost_usd": round(store.spend_total(name), 6), "budget_usd": job["budget_usd"],
         "estimate_usd": est.get("cost_usd") if isinstance(est, dict) else None,
         "attempts": len(session), "attempts_total": len(atts), "attempt": last,
-        # every attempt, billed or not (`dtrun cost` lists what was booked): where it went and how it ended
-        "attempt_list": [{"attempt": a["n"], "provider": a["provider"],
-                          "offer": _offer_key(a["offer"]),
-                          "state": a["state"], "outcome": a["outcome"], "reason": a["reason"]} for a in atts],
+        "attempt_list": attempt_list(atts),  # every attempt, billed or not
         "nodes": nodes, "controller_pid": job["controller_pid"] if alive else None,
         "watched": alive if active else None,
         "gone_controller_pid": job["controller_pid"] if active and not alive else None,
