@@ -19,7 +19,6 @@ processes, mounts at the end of the session)."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -27,7 +26,7 @@ from tests.e2e.clouds.runpodlab import lab as rlab
 from tests.e2e.clouds.vastlab import api as vapi
 from tests.e2e.clouds.vastlab import lab as vlab
 from tests.e2e.cross_cloud import conftest as cc
-from tests.e2e.lambda_cloud.conftest import dtrun, dtrun_up_running
+from tests.e2e.lambda_cloud.conftest import dtrun, dtrun_up_to_success
 from tests.e2e.runpod_cloud.conftest import job_yaml as rp_job_yaml
 from tests.e2e.waiting import wait_until
 
@@ -113,13 +112,7 @@ def test_cheaper_cloud_out_of_capacity_runs_on_the_other(two_clouds, rp_s3, a100
     assert set(q) == {"runpod", "vast"} and q["vast"] < q["runpod"], q  # Vast first in dtrun's ranking
     vlab.call("capacity", {"gpu": VAST_GPU, "on": False})  # Vast: nothing on the market at all
     job = job_yaml(tmp_path, name, f"s3://{rp_s3['bucket']}/{{name}}", steps=steps)
-    t0 = time.monotonic()
-    with dtrun_up_running(job, env) as proc:
-        out, _ = proc.communicate(timeout=1500)
-    took = time.monotonic() - t0
-    assert proc.returncode == 0, out[-5000:]
-    st = json.loads(dtrun(["status", name, "--json"], env).stdout)
-    assert st["state"] == "SUCCEEDED", st
+    st, took = dtrun_up_to_success(job, env)
     # every attempt, billed or not (`dtrun cost` lists the booked ones only)
     tried = [(a["provider"], a["outcome"]) for a in st["attempt_list"]]
     assert tried == [("vast", "no_capacity"), ("runpod", "succeeded")], st["attempt_list"]

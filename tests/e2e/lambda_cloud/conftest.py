@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,16 @@ def dtrun_up_running(job: Path, env: dict):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+
+
+def dtrun_up_to_success(job: Path, env: dict, timeout: float = 1500) -> tuple[dict, float]:
+    """``dtrun up JOB --yes`` to its end: it exited 0 and ``dtrun status --json`` says SUCCEEDED.
+    Returns that status and the seconds ``dtrun up`` took."""
+    t0 = time.monotonic()
+    with dtrun_up_running(job, env) as proc:
+        out, _ = proc.communicate(timeout=timeout)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, out[-5000:]
+    st = json.loads(dtrun(["status", job.stem, "--json"], env).stdout)
+    assert st["state"] == "SUCCEEDED", st
+    return st, took

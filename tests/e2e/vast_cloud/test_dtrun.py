@@ -18,7 +18,7 @@ import pytest
 from tests.e2e import phases as phaselib
 from tests.e2e.clouds.vastlab import api as vapi
 from tests.e2e.clouds.vastlab import lab as lablib
-from tests.e2e.lambda_cloud.conftest import dtrun, dtrun_up_running
+from tests.e2e.lambda_cloud.conftest import dtrun, dtrun_up_running, dtrun_up_to_success
 from tests.e2e.vast_cloud.conftest import job_yaml, live_vast_prices
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
@@ -51,13 +51,7 @@ def test_dtrun_spot_on_vast_at_its_bid_on_the_gpu_it_quoted(vs_lab, vs_s3, top_i
     name, steps = "vs-ok", 30
     prices = live_vast_prices(env)  # dtrun's bid from the lab
     job = job_yaml(tmp_path, name, f"s3://{vs_s3['bucket']}/{{name}}", steps=steps, every=10)
-    t0 = time.monotonic()
-    with dtrun_up_running(job, env) as proc:
-        out, _ = proc.communicate(timeout=1500)
-    took = time.monotonic() - t0
-    assert proc.returncode == 0, out[-5000:]
-    st = json.loads(dtrun(["status", name, "--json"], env).stdout)
-    assert st["state"] == "SUCCEEDED", st
+    st, took = dtrun_up_to_success(job, env)
     assert json.loads(vs_s3["get"](f"{name}/DONE"))["step"] == steps
     rows = [b for b in lablib.call("bill")["instances"] if (b["label"] or "").startswith(f"dtrun-{name}-")]
     assert len(rows) == 1, rows
