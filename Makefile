@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo demo-synthetic test test-fast e2e e2e-all e2e-spot e2e-one bench clean
+.PHONY: demo demo-synthetic test test-fast e2e e2e-spot e2e-one bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,20 +39,15 @@ test-fast: $(STAMP)
 # whole fault/resume scenarios with the real trainer elsewhere in tests/ (marked e2e).
 # The labs (tests/e2e/clouds/: Lambda, RunPod, Vast, Modal) need root, namespaces and
 # sshd/rsync/sudo/tini: the script installs the missing packages (apt); the labs' runtime cache is
-# built once in /var/cache/dtrun-lab. The spot clouds' suites (RunPod, Vast, cross-cloud) are not in
-# it yet: beside the rest (tests/e2e/split.py) they took 20.7 min in .ci/run, but their last trial
-# runs found three flakes (fixed since, the whole group not rerun: docs/labs.md);
-# run them with `make e2e-spot`.
+# built once in /var/cache/dtrun-lab. Two pytest sessions side by side (tests/e2e/split.py): the
+# spot clouds' suites (RunPod, Vast, cross-cloud: ~21 min) beside the rest (~48 min), output
+# prefixed by group, exit 0 only if both pass.
 e2e: $(STAMP)
-	tests/e2e/clouds/lambdalab/setup-host.sh
-	$(PY) -m pytest -q -m e2e tests --ignore=tests/e2e/runpod_cloud --ignore=tests/e2e/vast_cloud --ignore=tests/e2e/cross_cloud
-
-# The spot clouds' suites as a pytest session beside the rest (what `make e2e` becomes once they are stable).
-e2e-all: $(STAMP)
 	tests/e2e/clouds/lambdalab/setup-host.sh
 	$(PY) -m tests.e2e.split --pytest-arg=-q --pytest-arg=--durations=15 \
 	  spot=tests/e2e/runpod_cloud,tests/e2e/vast_cloud,tests/e2e/cross_cloud rest
 
+# The spot clouds' suites alone, in one pytest session.
 e2e-spot: $(STAMP)
 	tests/e2e/clouds/lambdalab/setup-host.sh
 	$(PY) -m pytest -q -m e2e tests/e2e/runpod_cloud tests/e2e/vast_cloud tests/e2e/cross_cloud
