@@ -11,7 +11,8 @@ and the fake share one vocabulary.
 
 **The local API server.** Every SDK call needs SkyPilot's API server (8–11 s to start, ~425 MiB,
 plus executor processes). Before the first call :meth:`SkyAPI.ensure_server` reuses a healthy
-one (the user's: never stopped by dtrun) or starts one with ``sky.api_start()`` and remembers
+one (the user's: never stopped by dtrun) or starts one with ``sky.api_start()`` — with SkyPilot's
+plugins file naming dtrun's Vast search fix (:mod:`providers.skypilot.vastquery`) — and remembers
 that dtrun did; :meth:`SkyAPI.close` (the controller's exit) stops only that one, with
 ``sky.api_stop()``, which kills the server's whole process tree. A server that cannot start
 (the half-dead case: a leftover process on its port) becomes one ``RuntimeError`` that says
@@ -20,11 +21,13 @@ what to run (``providers.skypilot.errors.HALF_DEAD``).
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from providers.skypilot.errors import HALF_DEAD, clean
 
@@ -111,6 +114,27 @@ def launched_price_per_hour(handle: Any) -> float | None:
         return None
 
 
+@contextlib.contextmanager
+def _vast_search_plugin() -> Iterator[None]:
+    """The environment a local API server dtrun starts gets: SkyPilot's plugins file with dtrun's
+    Vast search fix (:mod:`providers.skypilot.vastquery`; the user's plugins kept), for the
+    ``Popen`` inside ``sky.api_start`` only."""
+    from providers._jsonstore import dtrun_home
+    from providers.skypilot import vastquery
+
+    path = vastquery.plugins_config(dtrun_home() / "skypilot" / "plugins.yaml")
+    before = os.environ.get(vastquery.PLUGINS_ENV)
+    if path is not None:
+        os.environ[vastquery.PLUGINS_ENV] = str(path)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(vastquery.PLUGINS_ENV, None)
+        else:
+            os.environ[vastquery.PLUGINS_ENV] = before
+
+
 class SkyAPI:
     """Thin wrapper over ``sky.launch/status/queue/down/tail_logs`` + ``sky.get``.
 
@@ -146,7 +170,8 @@ class SkyAPI:
                                    f"not answered for {HALF_DEAD_WAIT_SECONDS:.0f} s)")
 
             try:
-                sky.api_start()
+                with _vast_search_plugin():
+                    sky.api_start()
             except RuntimeError as e:
                 raise RuntimeError(f"{HALF_DEAD} (SkyPilot API server: {clean(str(e)).splitlines()[0]})") from None
             _SERVER["checked"] = True

@@ -381,7 +381,8 @@ def test_pending_cluster_is_pending(sky_offline, monkeypatch, credentials):
 class _Server:
     """SkyPilot's server checks and start/stop, replaced (a real server is never started here)."""
 
-    def __init__(self, monkeypatch, healthy: bool, start_error: str | None = None, port_held: bool = False):
+    def __init__(self, monkeypatch, healthy: bool, start_error: str | None = None, port_held: bool = False,
+                 home=None):
         import sky
         from sky.client import sdk as sky_sdk
         from sky.server import common as server_common
@@ -389,6 +390,8 @@ class _Server:
         from providers.skypilot import api as sky_api
 
         self.started = self.stopped = 0
+        if home is not None:  # dtrun writes SkyPilot's plugins file there before it starts a server
+            monkeypatch.setenv("DTRUN_HOME", str(home))
         monkeypatch.setattr(sky_api, "_SERVER", {"checked": False, "started_by_dtrun": False})
         monkeypatch.setattr(sky_api, "HALF_DEAD_WAIT_SECONDS", 0.0)
         monkeypatch.setattr(sky_sdk, "_local_api_server_running", lambda *a, **k: port_held)
@@ -406,21 +409,21 @@ class _Server:
         monkeypatch.setattr(sky, "api_stop", lambda: setattr(self, "stopped", self.stopped + 1))
 
 
-def test_a_running_api_server_is_reused_and_never_stopped(monkeypatch):
+def test_a_running_api_server_is_reused_and_never_stopped(monkeypatch, tmp_path):
     from providers.skypilot import SkyPilotProvider
     from providers.skypilot.api import SkyAPI
 
-    srv = _Server(monkeypatch, healthy=True)
+    srv = _Server(monkeypatch, home=tmp_path, healthy=True)
     SkyAPI().ensure_server()
     SkyPilotProvider("runpod").close()
     assert (srv.started, srv.stopped) == (0, 0)
 
 
-def test_the_server_dtrun_started_is_stopped_once_when_its_controller_exits(monkeypatch):
+def test_the_server_dtrun_started_is_stopped_once_when_its_controller_exits(monkeypatch, tmp_path):
     from providers.skypilot import SkyPilotProvider
     from providers.skypilot.api import SkyAPI
 
-    srv = _Server(monkeypatch, healthy=False)
+    srv = _Server(monkeypatch, home=tmp_path, healthy=False)
     SkyAPI().ensure_server()
     SkyAPI().ensure_server()
     assert srv.started == 1
@@ -429,11 +432,11 @@ def test_the_server_dtrun_started_is_stopped_once_when_its_controller_exits(monk
     assert srv.stopped == 1
 
 
-def test_a_half_dead_server_is_one_message_saying_what_to_run(monkeypatch):
+def test_a_half_dead_server_is_one_message_saying_what_to_run(monkeypatch, tmp_path):
     from providers.skypilot import map_sky_error
     from providers.skypilot.api import SkyAPI
 
-    _Server(monkeypatch, healthy=False, start_error="SkyPilot API server process exited unexpectedly.\n"
+    _Server(monkeypatch, home=tmp_path, healthy=False, start_error="SkyPilot API server process exited unexpectedly.\n"
                                                     "View logs at: ~/.sky/api_server/server.log")
     with pytest.raises(RuntimeError) as ei:
         SkyAPI().ensure_server()
@@ -476,21 +479,21 @@ def test_no_capacity_in_every_region_is_one_attempt_then_the_next_provider(sky_o
     assert [str(r.region) for r in launches[0][1]["task"].resources] == ["US", "CA"]
 
 
-def test_a_cli_command_that_started_the_server_stops_it(monkeypatch):
+def test_a_cli_command_that_started_the_server_stops_it(monkeypatch, tmp_path):
     from providers import registry
     from providers.skypilot.api import SkyAPI
 
-    srv = _Server(monkeypatch, healthy=False)
+    srv = _Server(monkeypatch, home=tmp_path, healthy=False)
     SkyAPI().ensure_server()  # e.g. `dtrun gc` listing SkyPilot clusters
     registry.close_all()
     assert (srv.started, srv.stopped) == (1, 1)
 
 
-def test_a_server_holding_the_port_without_answering_is_half_dead_without_a_second_start(monkeypatch):
+def test_a_server_holding_the_port_without_answering_is_half_dead_without_a_second_start(monkeypatch, tmp_path):
     from providers.skypilot import map_sky_error
     from providers.skypilot.api import SkyAPI
 
-    srv = _Server(monkeypatch, healthy=False, port_held=True)
+    srv = _Server(monkeypatch, home=tmp_path, healthy=False, port_held=True)
     with pytest.raises(RuntimeError) as ei:
         SkyAPI().ensure_server()
     assert srv.started == 0
