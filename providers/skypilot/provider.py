@@ -177,7 +177,8 @@ class SkyPilotProvider(Provider):
             f"vast: SkyPilot 0.14.1 rented {why} for {offer.gpus_per_node}x {offer.gpu} "
             f"({offer.instance_type or 'no instance type'}, {'spot' if offer.spot else 'on-demand'}): its Vast "
             f"offer search sends no GPU filter (the vastai SDK drops quoted values) and rents the market's top "
-            f"offer; dtrun destroyed instance {row.get('id')} at once", provider=self.cloud)
+            f"offer, unless its API server loads dtrun's search plugin (one dtrun starts does: `sky api stop` a "
+            f"server of your own); dtrun destroyed instance {row.get('id')} at once", provider=self.cloud)
 
     def poll(self, handle: Handle) -> NodeState:
         cluster = handle.data.get("cluster", handle.instance_id)

@@ -6,7 +6,9 @@ only unquoted words and silently keeps the prefix before the first quoted value
 (``vastai.utils.preprocess_search_query``), so the search carries no GPU, count, disk or region
 filter and SkyPilot rents the top-scored offer of the whole market (seen on the Vast lab: an
 RTX 4090 for an H100 job). Nothing dtrun can put in the task or SkyPilot's config reaches that
-search, so dtrun checks the instance after the launch: its ``gpu_name`` and ``num_gpus`` against
+search; an API server dtrun starts loads its plugin that makes the search carry SkyPilot's
+filters (:mod:`providers.skypilot.vastquery`), one dtrun did not start does not. Either way dtrun
+checks the instance after the launch: its ``gpu_name`` and ``num_gpus`` against
 the offer's instance type, and, for a spot offer, that it is a bid (``is_bid``; dtrun passes its
 quoted bid as ``vast.create_instance_kwargs.price``, :mod:`providers.skypilot.task`). A mismatch
 is destroyed by the caller at once (not left billing) and the offer refused.

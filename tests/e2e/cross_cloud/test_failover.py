@@ -4,8 +4,8 @@ sell (A100 80 GB: RunPod's ``1x_A100-80GB_SECURE``, Vast's ``1x-A100_PCIE``), th
 dtrun CLI and SkyPilot 0.14.1.
 
 Vast is the cheaper spot offer (dtrun's bid: the offers' ``min_bid``, 0.4 × $0.87; RunPod's:
-0.6 × $1.39). SkyPilot rents Vast's top offer whatever the job asked for, so the market is left
-with the A100 PCIE offers only (``a100_market``), the way the Vast suite's ``top_is_h100`` does.
+0.6 × $1.39). The market is left with the A100 PCIE offers only (``a100_market``), then those go
+too: Vast wholly out of capacity (the Vast suite shows the search renting the GPU asked for).
 
 Vast out of capacity (every offer off the market) → attempt 1 on Vast ends ``no_capacity``
 (nothing rented, nothing billed: ``dtrun status --json``'s ``attempt_list`` says so, ``dtrun

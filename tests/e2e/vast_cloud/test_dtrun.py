@@ -4,9 +4,12 @@ bid search), its quoted bid passed as ``vast.create_instance_kwargs.price``, an 
 instance at that bid, the rented instance read back (:mod:`providers.skypilot.vastcheck`), the
 job SUCCEEDED and the bill against ``dtrun cost``.
 
-SkyPilot rents the top offer of the whole market whatever the job asked for (its search carries
-no GPU filter): the test takes every other GPU off the market so the top offer is the job's
-(an H100 SXM); with another GPU on top dtrun refuses the instance (tests/providers/test_vast_rented.py)."""
+The market is left whole, with an RTX 4090 as its top offer: SkyPilot 0.14.1's own search carries
+no GPU filter (the vastai SDK's pre-parser drops its quoted values), so it would rent that; the API
+server dtrun starts loads dtrun's plugin (providers/skypilot/vastquery.py), the search carries
+SkyPilot's filters, and the H100 SXM the job asked for is rented. Had the RTX 4090 been rented,
+dtrun's read-back would destroy it and refuse the offer (tests/providers/test_vast_rented.py):
+the job would not succeed."""
 
 from __future__ import annotations
 
@@ -27,26 +30,21 @@ GPU = "H100 SXM"
 
 
 @pytest.fixture
-def top_is_h100(vs_lab):
-    """Every other GPU off the market (SkyPilot rents the top offer); afterwards the market (the
-    offers an outbid left to the higher bidder given back too: the outbid test takes one of the
-    two H100 SXM machines of a row) and the lab HOME's SkyPilot catalog (``dtrun prices
+def whole_market(vs_lab):
+    """The lab's market as it started, whose top offer (after the SDK's chunking) is not the job's
+    GPU; afterwards the offers an outbid left to the higher bidder given back (the outbid test takes
+    one of the two H100 SXM machines of a row) and the lab HOME's SkyPilot catalog (``dtrun prices
     --refresh`` rewrites it) as the lab started them."""
-    catalog = lablib.home() / ".sky" / "catalogs" / "v8" / "vast" / "vms.csv"
-    others = sorted({o["gpu_name"] for o in vapi.market(catalog)} - {GPU})
-    for g in others:
-        lablib.call("capacity", {"gpu": g, "on": False})
+    assert vapi.TOP_GPU != GPU and not lablib.call("status")["no_capacity"]
     try:
         yield
     finally:
-        for g in others:
-            lablib.call("capacity", {"gpu": g, "on": True})
         print(f"vast market: offers taken by higher bidders {lablib.call('status')['taken_offers']}, given back")
         lablib.call("release", {})
         lablib.write_home()
 
 
-def test_dtrun_spot_on_vast_at_its_bid_on_the_gpu_it_quoted(vs_lab, vs_s3, top_is_h100, tmp_path):
+def test_dtrun_spot_on_vast_at_its_bid_on_the_gpu_it_quoted(vs_lab, vs_s3, whole_market, tmp_path):
     env = {**vs_lab, **vs_s3["env"], "DTRUN_HOME": str(tmp_path / "dtrun-home")}
     name, steps = "vs-ok", 30
     prices = live_vast_prices(env)  # dtrun's bid from the lab
@@ -80,7 +78,7 @@ def test_dtrun_spot_on_vast_at_its_bid_on_the_gpu_it_quoted(vs_lab, vs_s3, top_i
           f"{b['storage_usd'] / b['usd']:.1%} of the bill")
 
 
-def test_dtrun_spot_on_vast_outbid_resumes_bit_identical(vs_lab, vs_s3, top_is_h100, tmp_path):
+def test_dtrun_spot_on_vast_outbid_resumes_bit_identical(vs_lab, vs_s3, whole_market, tmp_path):
     """Outbid mid-run: the instance stopped without notice (``exited``, storage still billing);
     SkyPilot's refresh says STOPPED, dtrun calls it a preemption, destroys the stopped instance
     (not left billing storage), rents the next H100 SXM at its bid and resumes from the newest

@@ -18,7 +18,7 @@ import pytest
 from tests.e2e.clouds.vastlab import lab as lablib
 from tests.e2e.lambda_cloud.conftest import dtrun, dtrun_up_running
 from tests.e2e.vast_cloud.conftest import job_yaml, live_vast_prices
-from tests.e2e.vast_cloud.test_dtrun import top_is_h100  # noqa: F401 - the fixture: the H100 SXM on top
+from tests.e2e.vast_cloud.test_dtrun import whole_market  # noqa: F401 - the fixture: the market as the lab started it
 from tests.e2e.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
@@ -54,7 +54,7 @@ def _nothing_billing(name: str, what: str) -> list[dict]:
     return rows
 
 
-def test_down_mid_run_checkpoints_and_destroys_the_instance(vs_lab, vs_s3, top_is_h100, tmp_path):  # noqa: F811
+def test_down_mid_run_checkpoints_and_destroys_the_instance(vs_lab, vs_s3, whole_market, tmp_path):  # noqa: F811
     name = "vs-down"
     with _training(vs_lab, vs_s3, tmp_path, name) as (env, proc):
         at = _step(vs_s3, name)
@@ -69,7 +69,7 @@ def test_down_mid_run_checkpoints_and_destroys_the_instance(vs_lab, vs_s3, top_i
     assert [r["how"] for r in rows] == ["destroyed"], rows
 
 
-def test_gc_after_controller_sigkill_destroys_the_instance(vs_lab, vs_s3, top_is_h100, tmp_path):  # noqa: F811
+def test_gc_after_controller_sigkill_destroys_the_instance(vs_lab, vs_s3, whole_market, tmp_path):  # noqa: F811
     name = "vs-gc"
     with _training(vs_lab, vs_s3, tmp_path, name) as (env, proc):
         os.killpg(proc.pid, signal.SIGKILL)  # the controller dies with everything it started

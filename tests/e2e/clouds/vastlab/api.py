@@ -9,7 +9,8 @@ Emulated (``Authorization: Bearer <key>`` checked on every route; a wrong key is
   them in every new instance's ``/root/.ssh/authorized_keys``.
 * ``POST /api/v0/bundles/``: the market. Every filter the body carries is applied (``eq neq gt
   gte lt lte in notin``; values the SDK sends as strings compared as the field's type; a field an
-  offer lacks fails the filter), ``order`` honoured, ``limit``,
+  offer lacks fails the filter; ``geolocation`` compared as its two-letter country code, as Vast's
+  search documents it), ``order`` honoured, ``limit``,
   ``type`` ``bid`` prices offers at their ``min_bid``. The market is the lab's SkyPilot Vast
   catalog (two machines per row, ``dph_base`` = its price, ``min_bid`` = :data:`MIN_BID_FRACTION` ×)
   plus offers the SDK's chunking drops (under 32 cores); the highest ``score`` is deliberately
@@ -159,6 +160,8 @@ class Cloud:
         if field not in row:
             return False
         have = row[field]
+        if field == "geolocation" and isinstance(have, str):
+            have = have.rsplit(",", 1)[-1].strip()  # Vast's search: "two letter country code" ("Texas, US" → US)
         for op, val in cond.items():
             f = _OPS.get(op)
             val = [_like(v, have) for v in val] if isinstance(val, list) else _like(val, have)
