@@ -77,9 +77,16 @@ def build(log=print) -> dict:
 def _build(log) -> dict:
     if ready():
         return json.loads((CACHE / "STAMP").read_text().split(None, 1)[1])
-    t0 = time.monotonic()
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="build.", dir=CACHE))
+    try:
+        return _build_in(tmp, log)
+    finally:  # an interrupted or failed build leaves no half-built folder (the stamp is written last)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_in(tmp: Path, log) -> dict:
+    t0 = time.monotonic()
     pip = [sys.executable, "-m", "pip"]
     wh = tmp / "wheelhouse"
     wh.mkdir()
