@@ -137,25 +137,3 @@ def test_skypilots_plugin_loader_installs_it_in_request_executors_only(tmp_path)
     config = vastquery.plugins_config(tmp_path / "plugins.yaml", str(tmp_path / "none.yaml"))
     assert _load_plugins_in("EXECUTOR", config) == "True"
     assert _load_plugins_in("MAIN", config) == "False"
-
-
-def test_the_api_server_dtrun_starts_gets_the_plugins_file(monkeypatch, dtrun_home):
-    import sky
-    from sky.client import sdk as sky_sdk
-    from sky.server import common as server_common
-
-    from providers.skypilot import api as sky_api
-
-    monkeypatch.setattr(sky_api, "_SERVER", {"checked": False, "started_by_dtrun": False})
-    monkeypatch.setattr(sky_sdk, "_local_api_server_running", lambda *a, **k: False)
-    monkeypatch.setattr(server_common, "is_api_server_local", lambda *a, **k: True)
-    monkeypatch.setattr(server_common, "get_api_server_status", lambda *a, **k: server_common.ApiServerInfo(
-        status=server_common.ApiServerStatus.UNHEALTHY))
-    monkeypatch.delenv(vastquery.PLUGINS_ENV, raising=False)
-    seen = []
-    monkeypatch.setattr(sky, "api_start", lambda *a, **k: seen.append(os.environ.get(vastquery.PLUGINS_ENV)))
-    sky_api.SkyAPI().ensure_server()
-    [path] = seen
-    assert path == str(dtrun_home / "skypilot" / "plugins.yaml")
-    assert yaml.safe_load(Path(path).read_text())["plugins"] == [{"class": vastquery.PLUGIN_CLASS}]
-    assert vastquery.PLUGINS_ENV not in os.environ  # only the server's start saw it
