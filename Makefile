@@ -40,8 +40,8 @@ test-fast: $(STAMP)
 # The labs (tests/e2e/clouds/: Lambda, RunPod, Vast, Modal) need root, namespaces and
 # sshd/rsync/sudo/tini: the script installs the missing packages (apt); the labs' runtime cache is
 # built once in /var/cache/dtrun-lab. Two pytest sessions side by side (tests/e2e/split.py): the
-# spot clouds' suites (RunPod, Vast, cross-cloud: ~21 min) beside the rest (~48 min), output
-# prefixed by group, exit 0 only if both pass.
+# spot clouds' suites (RunPod, Vast, cross-cloud: 30.8 min) beside the rest (55.3 min; .ci/run on a
+# fresh clone 64.8 min in all, 2026-12-07), output prefixed by group, exit 0 only if both pass.
 e2e: $(STAMP)
 	tests/e2e/clouds/lambdalab/setup-host.sh
 	$(PY) -m tests.e2e.split --pytest-arg=-q --pytest-arg=--durations=15 \
